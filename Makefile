@@ -1,0 +1,25 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Each creates .venv and installs what it needs. torch is pinned to the CPU wheel that
+# lies on this machine's disk before anything else is installed, so no dependency can
+# pull a multi-GB CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test,ray]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/refit bench --device cpu
+
+test: install
+	$(BIN)/python -m pytest -q
+
+.PHONY: install demo test

@@ -1,0 +1,22 @@
+"""Exceptions raised by refit.
+
+Every error that bad input can cause is raised before any byte moves, on every rank
+that takes part, with a message naming the parameter and the ranks involved: a rank
+that raised alone would leave its peers blocked in the transfer it never joined.
+"""
+
+
+class RefitError(Exception):
+    """Base class of every error refit raises on purpose."""
+
+
+class LayoutError(RefitError, ValueError):
+    """A mesh, a placement or a shape that cannot describe a sharded tensor."""
+
+
+class PlanError(RefitError, ValueError):
+    """Rosters that cannot be turned into a transfer plan (missing source, mismatch...)."""
+
+
+class TransportError(RefitError, RuntimeError):
+    """A transfer that failed while bytes were moving."""

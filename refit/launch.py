@@ -1,0 +1,136 @@
+"""A local fleet of worker processes, each holding a rank of one ``StatelessProcessGroup``.
+
+Used by the benchmarks and the tests to run real multi-process transfers on one
+machine without Ray: the parent sends a picklable function, every rank runs it with its
+communicator, and the parent collects the results. Every wait is bounded; a fleet that
+misses its deadline is killed rather than left to hang the caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from multiprocessing.connection import wait as wait_conns
+from typing import Any, Callable
+
+from refit.comm import StatelessProcessGroup, free_port
+from refit.errors import RefitError
+
+
+class WorkerError(RefitError):
+    """A function raised on one or more ranks of a LocalFleet."""
+
+    def __init__(self, failures: dict[int, tuple[str, str]]):
+        self.failures = failures
+        lines = [f"rank {r}: {etype}: {tb.strip().splitlines()[-1] if tb.strip() else ''}" for r, (etype, tb) in sorted(failures.items())]
+        super().__init__("; ".join(lines))
+
+    def first_traceback(self) -> str:
+        return next(iter(sorted(self.failures.items())))[1][1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    group = StatelessProcessGroup("127.0.0.1", port, rank, world_size, timeout_s=120)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            fn, args, kwargs = msg
+            try:
+                conn.send(("ok", fn(group, *args, **kwargs)))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                conn.send(("err", (type(e).__name__, traceback.format_exc())))
+    finally:
+        group.abort()
+        conn.close()
+
+
+class LocalFleet:
+    def __init__(self, world_size: int, *, threads_per_rank: int = 1, start_timeout_s: float = 120.0):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, threads_per_rank), daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self.run(_ready, timeout_s=start_timeout_s)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def run(self, fn: Callable[..., Any], *args, timeout_s: float = 120.0, **kwargs) -> list[Any]:
+        """Run ``fn(group, *args, **kwargs)`` on every rank; return the results by rank."""
+        for c in self._conns:
+            c.send((fn, args, kwargs))
+        return self._collect(timeout_s)
+
+    def run_per_rank(self, calls: list[tuple[Callable[..., Any], tuple]], *, timeout_s: float = 120.0) -> list[Any]:
+        for c, (fn, args) in zip(self._conns, calls):
+            c.send((fn, args, {}))
+        return self._collect(timeout_s)
+
+    def _collect(self, timeout_s: float) -> list[Any]:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, Any] = {}
+        failures: dict[int, tuple[str, str]] = {}
+        pending = {c: r for r, c in enumerate(self._conns)}
+        while pending:
+            left = deadline - time.monotonic()
+            ready = wait_conns(list(pending), timeout=max(0.0, left)) if left > 0 else []
+            if not ready:
+                self.close(kill=True)
+                raise RefitError(f"LocalFleet: ranks {sorted(pending.values())} did not finish within {timeout_s}s")
+            for c in ready:
+                r = pending.pop(c)
+                try:
+                    status, value = c.recv()
+                except EOFError:
+                    failures[r] = ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})")
+                    continue
+                if status == "ok":
+                    results[r] = value
+                else:
+                    failures[r] = value
+        if failures:
+            raise WorkerError(failures)
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        for c in self._conns:
+            try:
+                if not kill:
+                    c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        for c in self._conns:
+            c.close()
+        self._conns, self._procs = [], []
+
+    def __enter__(self) -> "LocalFleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _ready(group) -> int:
+    return os.getpid()
