@@ -1,7 +1,7 @@
 """The ``refit`` command line: one subcommand per module, each with ``--help``.
 
-A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``; it is
-imported only when chosen, so ``refit plan`` never pays for torch.distributed set-up.
+A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``, and
+keeps its heavy imports inside ``run`` so that ``refit --help`` stays fast.
 """
 
 from __future__ import annotations
