@@ -204,6 +204,9 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry]], world_size: int)
         layouts = {}
         for role in ("src", "dst"):
             layouts[role] = seen.get((name, role), {})
+            if role == "src" and len(layouts[role]) > 1:
+                parts = "; ".join(f"{lay.describe()} on ranks {sorted(rs)}" for lay, rs in layouts[role].items())
+                raise PlanError(f"{name}: source ranks disagree on the layout: {parts}")
             claimed: dict[int, TensorLayout] = {}
             for layout, reporters in layouts[role].items():
                 missing = sorted(set(layout.mesh_ranks) - set(reporters))
@@ -224,9 +227,6 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry]], world_size: int)
                 needers = sorted(r for lay in layouts["dst"] for r in lay.mesh_ranks)
                 raise PlanError(f"{name}: destination ranks {needers} need this param but no source rank holds it")
             continue
-        if len(layouts["src"]) > 1:
-            parts = "; ".join(f"{lay.describe()} on ranks {sorted(rs)}" for lay, rs in layouts["src"].items())
-            raise PlanError(f"{name}: source ranks disagree on the layout: {parts}")
         src = next(iter(layouts["src"]))
         dsts = tuple(sorted(layouts["dst"], key=lambda lay: (min(lay.mesh_ranks), lay.mesh_ranks)))
         specs[name] = ParamSpec(name, shape, src, dsts)
