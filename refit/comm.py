@@ -10,15 +10,24 @@ by the process group's own ``abort()`` (measured: only the peer's death or a tim
 wait closes the pair), so a watchdog arms the group with its deadline
 (``set_deadline``) and every wait on a gloo group gives up there. On NCCL, ``abort()``
 itself releases a blocked rank.
+
+``backend="nccl"`` builds an NCCL communicator over refit's own binding (``refit.nccl``;
+``docs/comm.md`` says why not torch's ``ProcessGroupNCCL`` or ``nccl4py``): the unique id
+goes through this group's store under the key of the chosen peer protocol, init is
+non-blocking with a deadline, and operations are enqueued on CUDA streams. CUDA tensors
+then travel over NCCL and CPU tensors over gloo, behind the same methods.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import pickle
 import socket
+import sys
 import threading
 import time
+import types
 from datetime import timedelta
 from typing import Any, Protocol, Sequence
 
@@ -29,6 +38,54 @@ from refit.errors import RefitError, TransportError
 
 log = logging.getLogger(__name__)
 
+_NEMO_UNIQUE_ID_KEY = "nccl_unique_id"
+_VLLM_UNIQUE_ID_KEY = "broadcast_from/0/0"
+_VLLM_NCCL_MODULE = "vllm.distributed.device_communicators.pynccl_wrapper"
+_VLLM_PICKLE_LOCK = threading.Lock()
+PEERS = ("nemo", "vllm")
+
+
+class _VllmNcclUniqueId(ctypes.Structure):
+    """The layout of vLLM's ``ncclUniqueId`` (128 opaque bytes)."""
+
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+def _pickle_vllm_unique_id(unique_id_bytes: bytes) -> bytes:
+    """Serialize an NCCL unique id in vLLM's metadata wire format.
+
+    A vLLM rank reads the id with ``pickle.loads`` of its own ``ncclUniqueId`` ctypes
+    structure. Trainers do not install vLLM, so the same structure is pickled under its
+    canonical module name, which is put in ``sys.modules`` only while pickling (under a
+    lock, and removed again unless vLLM itself is loaded).
+    """
+    if len(unique_id_bytes) != 128:
+        raise RefitError(f"an NCCL unique id is 128 bytes, got {len(unique_id_bytes)}")
+    with _VLLM_PICKLE_LOCK:
+        real = sys.modules.get(_VLLM_NCCL_MODULE)
+        if real is not None and getattr(real, "ncclUniqueId", None) is not None:
+            uid = real.ncclUniqueId()  # vLLM itself is loaded here: use its own type
+            ctypes.memmove(ctypes.addressof(uid), unique_id_bytes, 128)
+            return pickle.dumps(uid)
+        cls = _VllmNcclUniqueId
+        parts = _VLLM_NCCL_MODULE.split(".")
+        added = [n for n in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if n not in sys.modules]
+        for n in added:
+            sys.modules[n] = types.ModuleType(n)
+        module = sys.modules[_VLLM_NCCL_MODULE]
+        saved = (cls.__module__, cls.__qualname__, cls.__name__)
+        try:
+            cls.__module__, cls.__qualname__, cls.__name__ = _VLLM_NCCL_MODULE, "ncclUniqueId", "ncclUniqueId"
+            module.ncclUniqueId = cls
+            uid = cls()
+            ctypes.memmove(ctypes.addressof(uid), unique_id_bytes, 128)
+            return pickle.dumps(uid)
+        finally:
+            cls.__module__, cls.__qualname__, cls.__name__ = saved
+            if getattr(module, "ncclUniqueId", None) is cls:
+                del module.ncclUniqueId
+            for n in reversed(added):
+                sys.modules.pop(n, None)
 
 
 class GroupAborted(TransportError):
@@ -66,6 +123,9 @@ def _wait_work(work: Any, aborted: threading.Event, deadline: float | None, what
     """
     if aborted.is_set():
         raise GroupAborted(f"{what}: the communicator was aborted")
+    if getattr(work, "polled", False):  # an NCCL work: the host polls its CUDA event
+        work.wait(deadline=deadline, aborted=aborted)
+        return
     if deadline is None:
         work.wait()
         return
@@ -83,8 +143,16 @@ def _wait_work(work: Any, aborted: threading.Event, deadline: float | None, what
 class StatelessProcessGroup:
     """A process group with its own rendezvous, independent of ``torch.distributed``'s world.
 
-    ``backend="gloo"`` moves CPU tensors; ``backend="nccl"`` is provided by
-    ``refit.nccl`` when a GPU and NCCL are present (see ``init_nccl_communicator``).
+    ``backend="gloo"`` moves CPU tensors. ``backend="nccl"`` builds an NCCL communicator
+    on ``device`` (default: the current CUDA device) with the metadata and warm-up of
+    ``peer`` (``"nemo"`` or ``"vllm"``), within ``init_timeout_s``; a gloo group can also
+    add one later with ``init_nccl_communicator``. CUDA tensors then go over NCCL, CPU
+    tensors over gloo (when the group has one).
+
+    NCCL operations are stream-ordered: ``broadcast`` and ``p2p_group`` return once the
+    work is queued on the stream (the current one unless ``stream`` is given), and work
+    queued on that stream afterwards sees the result. ``isend``/``irecv`` return a work
+    whose ``wait`` blocks the host, deadline- and abort-aware.
     """
 
     def __init__(
@@ -97,26 +165,46 @@ class StatelessProcessGroup:
         backend: str = "gloo",
         timeout_s: float = 300.0,
         name: str = "refit",
+        device: Any = None,
+        peer: str = "nemo",
+        init_timeout_s: float | None = None,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise RefitError(f"StatelessProcessGroup: rank {rank} is outside world size {world_size}")
         if backend not in ("gloo", "nccl"):
             raise RefitError(f"StatelessProcessGroup: backend must be 'gloo' or 'nccl', got {backend!r}")
+        if peer not in PEERS:
+            raise RefitError(f"StatelessProcessGroup: peer must be one of {PEERS}, got {peer!r}")
+        self._init_state(name, rank, world_size, backend, timeout_s)
         self.master_address = master_address
         self.port = port
+        self.peer = peer
+        self.init_timeout_s = init_timeout_s if init_timeout_s is not None else min(timeout_s, 120.0)
+        self._connect()
+        if backend == "nccl":
+            try:
+                self.init_nccl_communicator(device, peer=peer)
+            except BaseException:
+                self.abort()
+                raise
+
+    def _init_state(self, name: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        self.name = name
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
-        self.name = name
         self.children: list[StatelessProcessGroup] = []
+        self.parent_ranks: list[int] | None = None  # for a split child: its members' ranks in the parent
+        self.device = None
         self._aborted = threading.Event()
         self._abort_lock = threading.Lock()
         self._seq = 0
+        self._splits = 0
         self._deadline: float | None = None
         self._pg = None
+        self._nccl = None
         self.store = None
-        self._connect()
 
     def _connect(self) -> None:
         try:
@@ -136,6 +224,109 @@ class StatelessProcessGroup:
                 timedelta(seconds=self.timeout_s),
             )
 
+    # -- NCCL ---------------------------------------------------------------------------------
+    def init_nccl_communicator(self, device: Any = None, *, peer: str = "nemo", timeout_s: float | None = None) -> None:
+        """Initialize NCCL using the metadata and warm-up protocol of the peer.
+
+        ``peer="nemo"`` publishes the raw 128-byte unique id under ``nccl_unique_id`` and
+        warms up with a broadcast from rank 0. ``peer="vllm"`` also publishes vLLM's
+        pickled ``ncclUniqueId`` under ``broadcast_from/0/0`` and warms up with an
+        all-reduce, as vLLM's ``PyNcclCommunicator`` does. The receiver's protocol is not
+        negotiable, so a generation backend must select the one it implements.
+
+        Init never blocks past ``timeout_s`` (default ``init_timeout_s``): a rank that never
+        arrives makes every other rank raise, naming the missing ranks.
+        """
+        import torch
+
+        from refit import nccl
+
+        if peer not in PEERS:
+            raise RefitError(f"init_nccl_communicator: peer must be one of {PEERS}, got {peer!r}")
+        if self._aborted.is_set():
+            raise GroupAborted(f"init_nccl_communicator on an aborted communicator (rank {self.rank})")
+        if self._nccl is not None:
+            raise RefitError(f"rank {self.rank}: this group already has an NCCL communicator")
+        if not torch.cuda.is_available():
+            raise RefitError("StatelessProcessGroup: backend 'nccl' needs a CUDA device, and torch sees none")
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise RefitError(f"init_nccl_communicator: device must be a CUDA device, got {dev}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        limit = self.init_timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + limit
+        lib = nccl.library()
+        if self.rank == 0:
+            uid = lib.unique_id()
+            self.store.set(_NEMO_UNIQUE_ID_KEY, uid)
+            if peer == "vllm":
+                self.store.set(_VLLM_UNIQUE_ID_KEY, _pickle_vllm_unique_id(uid))
+        else:
+            self._wait_keys([_NEMO_UNIQUE_ID_KEY], deadline, limit, "rank 0 never published the NCCL unique id")
+            uid = self.store.get(_NEMO_UNIQUE_ID_KEY)
+        arrived = [f"{self.name}/nccl/arrived/{r}" for r in range(self.world_size)]
+        self.store.set(arrived[self.rank], b"1")
+        try:
+            comm = nccl.NcclComm.init_rank(uid, self.rank, self.world_size, dev.index,
+                                           deadline=deadline, aborted=self._aborted, lib=lib)
+        except nccl.NcclTimeout as e:
+            missing = [r for r, k in enumerate(arrived) if not self._has_key(k)]
+            who = (f"rank(s) {missing} never arrived" if missing else
+                   "every refit rank arrived, but a peer (or NCCL's bootstrap) never completed")
+            raise TransportError(
+                f"StatelessProcessGroup rank {self.rank}/{self.world_size}: NCCL init did not complete "
+                f"within {limit:g}s: {who}"
+            ) from e
+        self._nccl = comm
+        self.device = dev
+        try:
+            with torch.cuda.device(dev):
+                stream = torch.cuda.current_stream()
+                t = torch.zeros(1, dtype=torch.float32, device=dev)
+                if peer == "nemo":
+                    if self.rank == 0:
+                        t.fill_(1.0)
+                    comm.broadcast(t.data_ptr(), 1, 0, stream.cuda_stream, deadline=deadline, dtype=nccl.FLOAT32)
+                else:
+                    comm.all_reduce_f32(t.data_ptr(), 1, stream.cuda_stream, deadline=deadline)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                nccl.NcclWork(ev, comm, "NCCL warm-up", keep=t).wait(deadline=deadline, aborted=self._aborted)
+        except nccl.NcclTimeout as e:
+            raise TransportError(
+                f"StatelessProcessGroup rank {self.rank}/{self.world_size}: the NCCL warm-up "
+                f"({'broadcast' if peer == 'nemo' else 'all-reduce'}) did not finish within {limit:g}s; "
+                "a peer joined the communicator but never ran it (a peer protocol mismatch?)"
+            ) from e
+        log.debug("rank %d: NCCL %s up on %s in %.2fs", self.rank, lib.version, dev, time.monotonic() - t0)
+
+    def _has_key(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _wait_keys(self, keys: list[str], deadline: float, limit: float, what: str) -> None:
+        while not all(self._has_key(k) for k in keys):
+            if self._aborted.is_set():
+                raise GroupAborted(f"rank {self.rank}: aborted while waiting: {what}")
+            if time.monotonic() >= deadline:
+                raise TransportError(f"StatelessProcessGroup rank {self.rank}/{self.world_size}: {what} "
+                                     f"within {limit:g}s")
+            time.sleep(0.01)
+
+    @property
+    def nccl_comm(self):
+        """The ``refit.nccl.NcclComm`` of this group, or None."""
+        return self._nccl
+
+    @property
+    def stream_ordered(self) -> bool:
+        """True when CUDA tensors travel over NCCL on CUDA streams (the transport's fast path)."""
+        return self._nccl is not None
+
     # -- state -----------------------------------------------------------------------
     @property
     def aborted(self) -> bool:
@@ -145,7 +336,21 @@ class StatelessProcessGroup:
         if self._aborted.is_set():
             raise GroupAborted(f"{what} on an aborted communicator (rank {self.rank})")
         if self._pg is None:
-            raise RefitError(f"{what}: this group has no {self.backend} communicator yet")
+            raise RefitError(f"{what}: this group has no gloo communicator for CPU tensors "
+                             f"(backend {self.backend!r})")
+
+    def _nccl_for(self, tensor: torch.Tensor, what: str):
+        """The NCCL communicator if ``tensor`` should travel over it, else None."""
+        if not tensor.is_cuda:
+            return None
+        if self._aborted.is_set():
+            raise GroupAborted(f"{what} on an aborted communicator (rank {self.rank})")
+        if self._nccl is None:
+            raise RefitError(f"{what}: a CUDA tensor needs an NCCL communicator; build the group with "
+                             "backend='nccl' or call init_nccl_communicator()")
+        if not tensor.is_contiguous():
+            raise RefitError(f"{what}: NCCL needs a contiguous tensor, got strides {tuple(tensor.stride())}")
+        return self._nccl
 
     # -- object exchange over the store ---------------------------------------------------
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -171,13 +376,62 @@ class StatelessProcessGroup:
         return self.all_gather_object(obj if self.rank == src else None)[src]
 
     # -- tensors ------------------------------------------------------------------------
+    def _stream(self, stream):
+        import torch
+
+        return stream if stream is not None else torch.cuda.current_stream(self.device)
+
+    def _nccl_p2p(self, comm, recvs, sends, what: str, stream=None):
+        import torch
+
+        from refit import nccl
+
+        s = self._stream(stream)
+        comm.group([(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in recvs],
+                   [(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in sends],
+                   s.cuda_stream, deadline=self._deadline)
+        ev = torch.cuda.Event()
+        ev.record(s)
+        return nccl.NcclWork(ev, comm, f"rank {self.rank}: {what}", keep=[t for t, _ in recvs + sends])
+
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        comm = self._nccl_for(tensor, "isend")
+        if comm is not None:
+            return self._nccl_p2p(comm, [], [(tensor, peer)], f"send to {peer}")
         self._check("isend")
         return self._pg.send([tensor], peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        comm = self._nccl_for(tensor, "irecv")
+        if comm is not None:
+            return self._nccl_p2p(comm, [(tensor, peer)], [], f"recv from {peer}")
         self._check("irecv")
         return self._pg.recv([tensor], peer, tag)
+
+    def p2p_group(self, recvs: Sequence[tuple[torch.Tensor, int]], sends: Sequence[tuple[torch.Tensor, int]],
+                  *, stream=None, tag: int = 0) -> list[Any]:
+        """Post receives then sends as one group; return the works the host must wait on.
+
+        On NCCL the group is one ``ncclGroupStart/End`` on ``stream`` (the current stream by
+        default) and nothing is returned: work queued on that stream afterwards is ordered
+        after it. On gloo each is posted asynchronously and the works are returned.
+        """
+        if not recvs and not sends:
+            return []
+        first = (list(recvs) + list(sends))[0][0]
+        if first.is_cuda:
+            comm = self._nccl_for(first, "p2p_group")
+            for t, _ in list(recvs) + list(sends):
+                self._nccl_for(t, "p2p_group")
+            s = self._stream(stream)
+            comm.group([(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in recvs],
+                       [(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in sends],
+                       s.cuda_stream, deadline=self._deadline)
+            return []
+        self._check("p2p_group")
+        works = [self._pg.recv([t], p, tag) for t, p in recvs]
+        works += [self._pg.send([t], p, tag) for t, p in sends]
+        return works
 
     def set_deadline(self, deadline: float | None) -> None:
         """Make every wait on this group give up at ``deadline`` (``time.monotonic()``)."""
@@ -188,7 +442,15 @@ class StatelessProcessGroup:
     def wait(self, work: Any) -> None:
         _wait_work(work, self._aborted, self._deadline, f"rank {self.rank}")
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        """Broadcast ``tensor`` from ``src``. Over gloo this blocks until done; over NCCL it is
+        queued on ``stream`` (default: the current stream)."""
+        comm = self._nccl_for(tensor, "broadcast")
+        if comm is not None:
+            s = self._stream(stream)
+            comm.broadcast(tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, s.cuda_stream,
+                           deadline=self._deadline)
+            return
         self._check("broadcast")
         opts = dist.BroadcastOptions()
         opts.rootRank = src
@@ -196,6 +458,48 @@ class StatelessProcessGroup:
 
     def barrier(self) -> None:
         self.all_gather_object(None)
+
+    # -- split children -----------------------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None) -> "StatelessProcessGroup | None":
+        """A child group of the ranks that pass the same ``color`` (ordered by ``key``, then rank).
+
+        Every rank of this group calls it; a rank passing ``color=None`` joins no child and
+        gets None. The child has its own communicator (an ``ncclCommSplit`` sharing this
+        one's resources, and/or a gloo group) but no store of its own: it uses this
+        group's store under a prefix. It is listed in ``children`` and aborted first.
+        """
+        if self._aborted.is_set():
+            raise GroupAborted(f"split on an aborted communicator (rank {self.rank})")
+        key = self.rank if key is None else int(key)
+        gathered = self.all_gather_object((color, key))
+        self._splits += 1
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(gathered)
+                                         if color is not None and c == color)]
+        child = None
+        if color is not None:
+            child = object.__new__(type(self))
+            child._init_state(f"{self.name}/split{self._splits}/{color}", members.index(self.rank), len(members),
+                              self.backend, self.timeout_s)
+            child.parent_ranks = members
+            child.master_address, child.port, child.peer = self.master_address, self.port, self.peer
+            child.init_timeout_s = self.init_timeout_s
+            child.store = self.store
+            child._deadline = self._deadline
+        if self._nccl is not None:
+            deadline = time.monotonic() + self.init_timeout_s
+            sub = self._nccl.split(color, members.index(self.rank) if child is not None else 0,
+                                   deadline=deadline, aborted=child._aborted if child is not None else threading.Event())
+            if child is not None:
+                sub.rank, sub.world_size = child.rank, child.world_size
+                child._nccl, child.device = sub, self.device
+        if child is not None:
+            if self._pg is not None:
+                child._pg = dist.ProcessGroupGloo(
+                    dist.PrefixStore(f"{child.name}/gloo", self.store), child.rank, child.world_size,
+                    timedelta(seconds=self.timeout_s),
+                )
+            self.children.append(child)
+        return child
 
     # -- teardown -------------------------------------------------------------------------
     def abort(self) -> None:
@@ -215,6 +519,12 @@ class StatelessProcessGroup:
                 child.abort()
             except Exception:  # noqa: BLE001 - abort must not raise on a dying fleet
                 log.exception("aborting a child communicator failed")
+        comm, self._nccl = self._nccl, None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001
+                log.debug("NCCL abort raised", exc_info=True)
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
@@ -227,8 +537,10 @@ class StatelessProcessGroup:
 
     def __repr__(self) -> str:
         state = "aborted" if self.aborted else "live"
-        return (f"StatelessProcessGroup({self.backend}, rank={self.rank}/{self.world_size}, "
-                f"{self.master_address}:{self.port}, {state})")
+        backend = self.backend + ("+nccl" if self._nccl is not None and self.backend != "nccl" else "")
+        where = f"{getattr(self, 'master_address', '?')}:{getattr(self, 'port', '?')}"
+        child = f", child of ranks {self.parent_ranks}" if self.parent_ranks is not None else ""
+        return f"StatelessProcessGroup({backend}, rank={self.rank}/{self.world_size}, {where}{child}, {state})"
 
 
 class TorchGroupComm:
@@ -243,21 +555,42 @@ class TorchGroupComm:
         self.world_size = dist.get_world_size(self.group)
         self._aborted = threading.Event()
         self._deadline: float | None = None
+        try:
+            backend = str(dist.get_backend(self.group)).lower()
+        except Exception:  # noqa: BLE001
+            backend = ""
+        self.stream_ordered = "nccl" in backend
 
     def set_deadline(self, deadline: float | None) -> None:
         self._deadline = deadline
 
     def isend(self, tensor, peer, tag=0):
-        return dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
+        return dist.isend(tensor, dst=dist.get_global_rank(self.group, peer), group=self.group, tag=tag)
 
     def irecv(self, tensor, peer, tag=0):
-        return dist.irecv(tensor, group=self.group, group_src=peer, tag=tag)
+        return dist.irecv(tensor, src=dist.get_global_rank(self.group, peer), group=self.group, tag=tag)
+
+    def p2p_group(self, recvs, sends, *, stream=None, tag: int = 0) -> list[Any]:
+        """``batch_isend_irecv``; on NCCL the works are joined into ``stream`` (nothing to wait on)."""
+        ops = [dist.P2POp(dist.irecv, t, dist.get_global_rank(self.group, p), self.group, tag) for t, p in recvs]
+        ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(self.group, p), self.group, tag) for t, p in sends]
+        if not ops:
+            return []
+        if not self.stream_ordered:
+            return dist.batch_isend_irecv(ops)
+        import torch
+
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            works = dist.batch_isend_irecv(ops)
+            for w in works:
+                w.wait()  # NCCL: makes the current stream wait; the host does not block
+        return []
 
     def wait(self, work) -> None:
         _wait_work(work, self._aborted, self._deadline, f"rank {self.rank}")
 
-    def broadcast(self, tensor, src) -> None:
-        dist.broadcast(tensor, group=self.group, group_src=src)
+    def broadcast(self, tensor, src, stream=None) -> None:
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
 
     def all_gather_object(self, obj):
         out = [None] * self.world_size
@@ -269,6 +602,14 @@ class TorchGroupComm:
 
     def abort(self) -> None:
         self._aborted.set()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def as_communicator(process_group: Any) -> Communicator:

@@ -15,12 +15,20 @@ pure function of the rosters:
 
 A rank's planning work follows its own ops: intersecting regions are found per tensor dim
 from the mesh dims that shard it, and a whole destination layout's byte total is
-``numel x replication`` rather than a walk over its ranks. Replaying the global schedule
-on every rank (the approach this replaces) costs seconds at 1T-parameter scale.
+``numel x replication`` rather than a walk over its ranks. Params whose layouts differ only
+by which ranks hold them (a model's layers, its experts) share one rank-relative template
+of that geometry, so a 70k-tensor MoE model costs little more than its distinct shapes plus
+one pass over its own ops. Replaying the global schedule on every rank (the approach this
+replaces) costs seconds at 1T-parameter scale.
+
+Opt-in replica fan-out (``fanout=True``) sends a region that several destination ranks
+need alike once per group, striped across the group, and completes it with an all-gather
+inside the group; see ``build_rank_plan``.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import math
@@ -39,18 +47,43 @@ from refit.layout import (
     Region,
     Replicate,
     _dim_overlaps,
+    _merge,
+    _take,
     dtype_from_name,
     dtype_name,
     intersect_regions,
     normalize_mesh,
     normalize_placements,
     region_numel,
+    region_shape,
     region_overlap_numel,
     shard_region,
     validate_layout,
 )
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_DIRECT_BYTES = int(__import__("os").environ.get("REFIT_DIRECT_BYTES", 64 << 10))
+DEFAULT_STRIPE_BYTES = 4 << 20  # fan-out stripe grid (see build_rank_plan)
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = dtype_from_name(dtype).itemsize
+    return size
+
+
+_MESH_COORDS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+
+
+def _mesh_coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Coordinates of every flat mesh index, row-major (shared by every mesh of one shape)."""
+    got = _MESH_COORDS.get(mesh_shape)
+    if got is None:
+        got = _MESH_COORDS[mesh_shape] = list(itertools.product(*[range(n) for n in mesh_shape]))
+    return got
 
 
 @dataclass(frozen=True, eq=True)
@@ -75,17 +108,33 @@ class TensorLayout:
         )
 
     @cached_property
+    def _hash(self) -> int:
+        return hash((self.mesh_ranks, self.mesh_shape, self.placements, self.dtype))
+
+    def __hash__(self) -> int:  # layouts key the planner's caches: hash the rank tuple once
+        return self._hash
+
+    @cached_property
     def _coords(self) -> dict[int, tuple[int, ...]]:
-        return {r: tuple(int(c) for c in np.unravel_index(i, self.mesh_shape)) for i, r in enumerate(self.mesh_ranks)}
+        return dict(zip(self.mesh_ranks, _mesh_coords(self.mesh_shape)))
+
+    @cached_property
+    def _flat(self) -> dict[int, int]:
+        return {r: i for i, r in enumerate(self.mesh_ranks)}
 
     def coords(self, rank: int) -> tuple[int, ...] | None:
         return self._coords.get(rank)
 
     def rank_at(self, coords: Sequence[int]) -> int:
-        return self.mesh_ranks[int(np.ravel_multi_index(tuple(coords), self.mesh_shape))]
+        i = 0
+        for c, n in zip(coords, self.mesh_shape):
+            if not 0 <= c < n:
+                raise IndexError(f"mesh coords {tuple(coords)} outside mesh shape {self.mesh_shape}")
+            i = i * n + c
+        return self.mesh_ranks[i]
 
     def flat_index(self, rank: int) -> int:
-        return int(np.ravel_multi_index(self._coords[rank], self.mesh_shape))
+        return self._flat[rank]
 
     def region(self, shape: Sequence[int], rank: int) -> Region:
         return shard_region(shape, self.mesh_shape, self._coords[rank], self.placements)
@@ -103,8 +152,18 @@ class TensorLayout:
         c = self._coords[rank]
         return tuple(c[m] for m in self.sharding_dims)
 
+    @cached_property
+    def _replicas(self) -> dict[tuple[int, ...], list[int]]:
+        return {}
+
     def replicas(self, key: tuple[int, ...]) -> list[int]:
         """Ranks holding the shard ``key`` (coords on the sharding mesh dims), in mesh order."""
+        got = self._replicas.get(key)
+        if got is None:
+            got = self._replicas[key] = self._find_replicas(tuple(key))
+        return list(got)
+
+    def _find_replicas(self, key: tuple[int, ...]) -> list[int]:
         free = [range(n) if m not in self.sharding_dims else None for m, n in enumerate(self.mesh_shape)]
         out = []
         for combo in itertools.product(*[r for r in free if r is not None]):
@@ -157,9 +216,14 @@ class ParamIndex:
     def digest(self) -> str:
         h = hashlib.blake2b(digest_size=16)
         h.update(str(self.world_size).encode())
+        layouts: dict[tuple, bytes] = {}  # the layers and experts of a model share few layout sets
         for name in sorted(self.specs):
             s = self.specs[name]
-            h.update(repr((name, s.shape, s.src, s.dsts)).encode())
+            lay = layouts.get((s.src, s.dsts))
+            if lay is None:
+                lay = layouts[(s.src, s.dsts)] = repr((s.src, s.dsts)).encode()
+            h.update(repr((name, s.shape)).encode())
+            h.update(lay)
         return h.hexdigest()
 
     def ranks(self) -> list[int]:
@@ -248,10 +312,11 @@ class Op:
     src_dtype: str
     dst_dtype: str
     wire_dtype: str
+    direct: bool = False  # contiguous in both local tensors, no cast: can skip staging
 
     @property
     def nbytes(self) -> int:
-        return self.box.numel * dtype_from_name(self.wire_dtype).itemsize
+        return self.box.numel * _itemsize(self.wire_dtype)
 
     def sort_key(self):
         return (self.name, self.box.start)
@@ -281,6 +346,11 @@ class RankPlan:
     sends: list[Bucket] = field(default_factory=list)
     recvs: list[Bucket] = field(default_factory=list)
     local: list[Op] = field(default_factory=list)
+    # replica fan-out (``build_rank_plan(..., fanout=True)``): the all-gather inside each
+    # group of destination ranks, run after the sends and recvs above (see refit.fanout)
+    gather_sends: list[Bucket] = field(default_factory=list)
+    gather_recvs: list[Bucket] = field(default_factory=list)
+    fanout: bool = False
 
     @property
     def num_rounds(self) -> int:
@@ -306,6 +376,20 @@ class RankPlan:
 
     def peers(self) -> list[int]:
         return sorted({b.peer for b in self.sends} | {b.peer for b in self.recvs})
+
+    @property
+    def gather_bytes_sent(self) -> int:
+        return sum(b.nbytes for b in self.gather_sends)
+
+    @property
+    def gather_bytes_received(self) -> int:
+        return sum(b.nbytes for b in self.gather_recvs)
+
+    def gather_plan(self) -> "RankPlan":
+        """The fan-out all-gather as a plan of its own: its sources are this rank's
+        destination tensors (``refit.fanout`` runs it after the main plan)."""
+        return RankPlan(self.rank, self.world_size, self.bucket_bytes, self.key + ("gather",),
+                        sends=self.gather_sends, recvs=self.gather_recvs)
 
 
 def wire_dtype(src: str, dst: str) -> str:
@@ -356,9 +440,12 @@ class _LayoutGeometry:
     over that dim's sharding coordinates, not a walk over every rank of the layout.
     """
 
-    def __init__(self, shape: tuple[int, ...], layout: TensorLayout):
+    def __init__(self, shape: tuple[int, ...], layout: TensorLayout, tables: tuple | None = None):
         self.shape = shape
         self.layout = layout
+        if tables is not None:  # the same shape on another mesh of the same shape and placements
+            self.dims_of, self.by_dim = tables
+            return
         self.dims_of: dict[int, list[int]] = defaultdict(list)
         for m, p in enumerate(layout.placements):
             if not isinstance(p, Replicate):
@@ -404,147 +491,484 @@ def _retarget(p: Placement) -> Placement:
 
 @dataclass
 class PlanStats:
-    """Work counters: what a rank's planning cost grows with (see property (e))."""
+    """Work counters: what a rank's planning cost grows with (see property (e)).
+
+    ``regions`` and ``consumers_walked`` count the geometry done for this rank's params.
+    Params sharing a shape and a rank-relative layout (a model's layers, its experts)
+    share that geometry through one template per rank position: ``templates`` counts
+    those built, ``reused`` those found, ``ops`` the ops instantiated from them.
+    """
 
     regions: int = 0
     consumers_walked: int = 0
+    templates: int = 0
+    reused: int = 0
+    ops: int = 0
 
 
-class _ParamPlanner:
-    """Plans one param for one rank. Consumer order and byte offsets are shared by every rank."""
+class _Block:
+    """A planned block in rank-relative form: its box, its task-id suffix, whether it can skip staging."""
 
-    def __init__(self, spec: ParamSpec, geometry, stats: PlanStats, bucket_bytes: int):
-        self.spec = spec
-        self.geo = geometry
-        self.stats = stats
+    __slots__ = ("box", "key", "direct")
+
+    def __init__(self, box: Box, direct: bool):
+        self.box = box
+        self.key = f"|{tuple(box.start)}|{tuple(box.shape)}".encode()
+        self.direct = direct
+
+
+def _window(offset: int, total: int, k: int, rot: int) -> int:
+    """Replica index serving the consumer whose bytes start at ``offset``.
+
+    Contiguous byte windows bound every replica's share by ceil(total/k) plus one region;
+    the per-param rotation keeps replica 0 from serving every param whose shard has a
+    single consumer.
+    """
+    return ((offset * k) // total + rot) % k
+
+
+def _rotation(name: str, salt: bytes = b"") -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode() + salt, digest_size=4).digest(), "little")
+
+
+def _first_long_dim(region: Region) -> int | None:
+    return next((i for i, n in enumerate(region_shape(region)) if n > 1), None)
+
+
+def _stripes(region: Region, itemsize: int, stripe_bytes: int) -> list[tuple[int, Region]]:
+    """Cut ``region`` into row blocks of about ``stripe_bytes`` along its first dim longer than one:
+    (offset along that dim in the region's local order, stripe).
+
+    The cut depends on the region alone, never on how many ranks share it, so blocks and
+    their task ids stay the same when replicas join or leave.
+    """
+    lengths = region_shape(region)
+    total = math.prod(lengths) * itemsize
+    d = _first_long_dim(region)
+    if d is None or total == 0:
+        return [(0, region)]
+    n = max(1, min(lengths[d], -(-total // stripe_bytes)))
+    out = []
+    for s in range(n):
+        a, b = (s * lengths[d]) // n, ((s + 1) * lengths[d]) // n
+        cut = list(region)
+        cut[d] = _merge(_take(region[d], a, b))
+        out.append((a, tuple(cut)))
+    return out
+
+
+class _Group:
+    """Fan-out: destination ranks needing one identical region, and the stripes it is cut into."""
+
+    __slots__ = ("g", "members", "region", "stripes", "cut_dim")
+
+    def __init__(self, g: int, region: Region, stripes: list[tuple[int, Region]]):
+        self.g = g
+        self.members: list[int] = []
+        self.region = region
+        self.stripes = stripes
+        self.cut_dim = _first_long_dim(region) or 0
+
+    def owner(self, s: int, rot: int) -> int:
+        """The member that receives stripe ``s`` from the sources: contiguous windows of
+        stripes over the members, rotated per param."""
+        m, n = len(self.members), len(self.stripes)
+        return self.members[((s * m) // n + rot) % m]
+
+
+class _Template:
+    """One rank position's ops for one (shape, canonical layouts) form, before names and ranks.
+
+    Ranks here are canonical indices; the per-param rotation is applied when the template
+    is instantiated, so every param sharing the form (a model's layers and experts) reuses it.
+    """
+
+    __slots__ = ("local", "src", "recv", "fan", "_mine", "_unit_blocks")
+
+    def __init__(self):
+        self.local: list[tuple[int, list[_Block]]] = []
+        self.src: tuple | None = None  # (k, my window, total, units, source shard key)
+        self.recv: list[tuple] = []  # (k, replicas, offset, total, g, blocks)
+        self.fan: tuple | None = None  # (group, my index, [per stripe: [(k, replicas, offset, total, blocks, gathers)]])
+        self._mine: dict[int, list[int]] = {}
+        self._unit_blocks: dict[int, list[_Block]] = {}
+
+    def mine(self, rot: int) -> list[int]:
+        """Indices of the units in my byte window, for one rotation."""
+        got = self._mine.get(rot)
+        if got is None:
+            k, w, total, units, _ = self.src
+            # window(offset) == w  <=>  offset in [ceil(v*total/k), ceil((v+1)*total/k)), v = (w - rot) % k
+            v = (w - rot) % k
+            offsets = [u[0] for u in units]
+            lo = bisect.bisect_left(offsets, -(-v * total // k))
+            hi = bisect.bisect_left(offsets, -(-(v + 1) * total // k))
+            got = self._mine[rot] = [i for i in range(lo, hi) if units[i][1]]
+        return got
+
+
+class _FormPlanner:
+    """Planning facts of one (shape, canonical layouts) form, shared by every param and rank having it.
+
+    The consumers of one source shard are put in a canonical order (destination layouts
+    by their lowest rank, ranks in mesh order; with fan-out, ranks that also hold a source
+    shard first, then each fan-out group with its stripes), each gets a byte offset, and
+    the replica whose byte window holds that offset serves it.
+    """
+
+    def __init__(self, shape, form, cache: "_PlannerCache", bucket_bytes: int, stripe_bytes: int | None):
+        self.shape = shape
+        self.src, self.dsts, self.domains = form
+        self.cache = cache
         self.bucket_bytes = bucket_bytes
-        self.src_geo = geometry(spec.shape, spec.src)
-        self.src_itemsize = dtype_from_name(spec.src.dtype).itemsize
+        self.stripe_bytes = stripe_bytes
+        self.src_geo = cache.geometry(shape, self.src)
+        self.wire = [wire_dtype(self.src.dtype, d.dtype) for d in self.dsts]
+        self.witem = [_itemsize(w) for w in self.wire]
+        self._src_regions: dict[tuple, Region] = {}
+        self._dst_regions: dict[tuple, Region] = {}
+        self._units: dict[tuple, tuple] = {}
+        self._templates: dict[int, _Template] = {}
+        self._groups: list[_Group] | None = None
+        self._member: dict[int, tuple[int, int]] = {}
 
-    def _wire_itemsize(self, g: int) -> int:
-        return dtype_from_name(wire_dtype(self.spec.src.dtype, self.spec.dsts[g].dtype)).itemsize
+    # -- geometry ----------------------------------------------------------------------------
+    def src_region(self, key, stats) -> Region:
+        reg = self._src_regions.get(key)
+        if reg is None:
+            stats.regions += 1
+            reg = self._src_regions[key] = self.cache.region(self.shape, self.src, self.src_geo.key_ranks(key)[0])
+        return reg
 
-    def _src_region(self, key) -> Region:
-        self.stats.regions += 1
-        return self.spec.src.region(self.spec.shape, self.src_geo.key_ranks(key)[0])
+    def dst_region(self, g: int, rank: int, stats) -> Region:
+        layout = self.dsts[g]
+        k = (g, layout.shard_key(rank))
+        reg = self._dst_regions.get(k)
+        if reg is None:
+            stats.regions += 1
+            reg = self._dst_regions[k] = self.cache.region(self.shape, layout, rank)
+        return reg
 
-    def _dst_region(self, g: int, rank: int) -> Region:
-        self.stats.regions += 1
-        return self.spec.dsts[g].region(self.spec.shape, rank)
-
-    def _consumers_in_group(self, g: int, key, src_region: Region, replicas: set[int]):
-        """(rank, bytes) of the non-local consumers of shard ``key`` in dst layout ``g``, in mesh order."""
-        layout = self.spec.dsts[g]
-        geo = self.geo(self.spec.shape, layout)
+    def blocks(self, g: int, src_region: Region, dst_region: Region, within: _Group | None = None,
+               offset: int = 0) -> list[_Block]:
+        """Boxes of ``src_region`` ∩ ``dst_region`` cut to the bucket size. With ``within``,
+        ``dst_region`` is a stripe of that group's region starting at local ``offset``
+        along its cut dim, and destination offsets are given in the region's local order."""
+        itemsize = self.witem[g]
+        no_cast = self.src.dtype == self.dsts[g].dtype
+        src_shape = region_shape(src_region)
+        dst_shape = region_shape(dst_region if within is None else within.region)
         out = []
-        for dkey in geo.overlapping_keys(src_region):
-            for r in geo.key_ranks(dkey):
-                if r not in replicas:
-                    out.append(r)
-        out.sort(key=layout.flat_index)
-        self.stats.consumers_walked += len(out)
-        itemsize = self._wire_itemsize(g)
-        return [(r, region_overlap_numel(src_region, self._dst_region(g, r)) * itemsize) for r in out]
+        for box in intersect_regions(src_region, dst_region):
+            if within is not None and offset:
+                d = within.cut_dim
+                box = Box(box.start, box.shape, box.src_start,
+                          tuple(x + offset if i == d else x for i, x in enumerate(box.dst_start)))
+            for piece in split_box(box, itemsize, self.bucket_bytes):
+                direct = no_cast and _contiguous(piece.shape, src_shape) and _contiguous(piece.shape, dst_shape)
+                out.append(_Block(piece, direct))
+        return out
 
-    def _group_bytes(self, g: int, src_region: Region, replicas: set[int]) -> int:
+    # -- plain consumers ----------------------------------------------------------------------
+    def _group_bytes(self, g: int, src_region: Region, replicas, stats) -> int:
         """Bytes that dst layout ``g`` needs from one shard, less what its ranks hold themselves."""
-        layout = self.spec.dsts[g]
-        itemsize = self._wire_itemsize(g)
+        layout = self.dsts[g]
         total = region_numel(src_region) * layout.replication
         for r in replicas:
             if layout.coords(r) is not None:
-                total -= region_overlap_numel(src_region, self._dst_region(g, r))
-        return total * itemsize
+                total -= region_overlap_numel(src_region, self.dst_region(g, r, stats))
+        return total * self.witem[g]
 
-    def _rotation(self, k: int) -> int:
-        h = hashlib.blake2b(self.spec.name.encode(), digest_size=4).digest()
-        return int.from_bytes(h, "little") % k
+    def _consumers_in_group(self, g: int, src_region: Region, rep_set, stats):
+        """(rank, bytes) of the non-local consumers of one source shard in dst layout ``g``, in mesh order."""
+        layout = self.dsts[g]
+        geo = self.cache.geometry(self.shape, layout)
+        out = [r for dkey in geo.overlapping_keys(src_region) for r in geo.key_ranks(dkey) if r not in rep_set]
+        out.sort(key=layout.flat_index)
+        stats.consumers_walked += len(out)
+        item = self.witem[g]
+        return [(r, region_overlap_numel(src_region, self.dst_region(g, r, stats)) * item) for r in out]
 
-    def _window_of(self, offset: int, total: int, k: int) -> int:
-        """Replica index serving the consumer whose bytes start at ``offset``.
+    def _plain_offset(self, key, g: int, c: int, stats) -> tuple[int, int]:
+        """(my offset, total) among the consumers of shard ``key``, walking my own layout only:
+        the other layouts' byte totals are ``numel x replication`` less what they hold."""
+        src_region = self.src_region(key, stats)
+        rep_set = set(self.src_geo.key_ranks(key))
+        group_bytes = [self._group_bytes(h, src_region, rep_set, stats) for h in range(len(self.dsts))]
+        off = sum(group_bytes[:g])
+        for r, nbytes in self._consumers_in_group(g, src_region, rep_set, stats):
+            if r == c:
+                break
+            off += nbytes
+        return off, sum(group_bytes)
 
-        Contiguous byte windows bound every replica's share by ceil(total/k) plus one
-        region; the per-param rotation keeps replica 0 from serving every param whose
-        shard has a single consumer.
-        """
-        return ((offset * k) // total + self._rotation(k)) % k
+    # -- fan-out --------------------------------------------------------------------------------
+    def groups(self, stats) -> list[_Group]:
+        """Destination ranks outside the source mesh grouped by identical region (and dtype,
+        and domain when domains are given), in consumer order."""
+        if self._groups is None:
+            by_key: dict[tuple, int] = {}
+            groups: list[_Group] = []
+            for g, layout in enumerate(self.dsts):
+                for r in layout.mesh_ranks:
+                    if self.src.coords(r) is not None:
+                        continue
+                    region = self.dst_region(g, r, stats)
+                    key = (region, layout.dtype, None if self.domains is None else self.domains[r])
+                    q = by_key.get(key)
+                    if q is None:
+                        q = by_key[key] = len(groups)
+                        groups.append(_Group(g, region, _stripes(region, self.witem[g], self.stripe_bytes)))
+                    self._member[r] = (q, len(groups[q].members))
+                    groups[q].members.append(r)
+            self._groups = groups
+        return self._groups
 
-    def ops_for(self, rank: int) -> list[Op]:
-        spec = self.spec
-        ops: list[Op] = []
-        # As a source: serve the consumers in my window of every shard I hold.
-        if spec.src.coords(rank) is not None:
-            key = spec.src.shard_key(rank)
-            replicas = self.src_geo.key_ranks(key)
-            rep_set = set(replicas)
-            src_region = self._src_region(key)
-            my_window = replicas.index(rank)
-            k = len(replicas)
-            group_bytes = [self._group_bytes(g, src_region, rep_set) for g in range(len(spec.dsts))]
-            total = sum(group_bytes)
-            base = 0
-            for g, gb in enumerate(spec.dsts):
-                # the local copy, when I am also a destination of this param
-                if gb.coords(rank) is not None:
-                    ops += self._make_ops(rank, rank, g, src_region, self._dst_region(g, rank))
-                if group_bytes[g]:
-                    off = base
-                    for r, nbytes in self._consumers_in_group(g, key, src_region, rep_set):
-                        if nbytes and self._window_of(off, total, k) == my_window:
-                            ops += self._make_ops(rank, r, g, src_region, self._dst_region(g, r))
+    def units(self, key, stats) -> tuple[list[tuple], int, dict]:
+        """All consumers of source shard ``key`` as (offset, bytes, target, g) in canonical
+        order, their byte total, and each target's offset. A target is a rank, or
+        (group, stripe) under fan-out."""
+        got = self._units.get(key)
+        if got is not None:
+            return got
+        src_region = self.src_region(key, stats)
+        rep_set = set(self.src_geo.key_ranks(key))
+        units: list[tuple] = []
+        off = 0
+        if self.stripe_bytes is None:
+            for g in range(len(self.dsts)):
+                gb = self._group_bytes(g, src_region, rep_set, stats)
+                if gb:
+                    at = off
+                    for r, nbytes in self._consumers_in_group(g, src_region, rep_set, stats):
+                        units.append((at, nbytes, r, g))
+                        at += nbytes
+                off += gb
+        else:
+            groups = self.groups(stats)
+            colocated = sorted((g, lay.flat_index(r), r) for r in self.src.mesh_ranks if r not in rep_set
+                               for g, lay in enumerate(self.dsts) if lay.coords(r) is not None)
+            for g, _, r in colocated:
+                stats.consumers_walked += 1
+                nbytes = region_overlap_numel(src_region, self.dst_region(g, r, stats)) * self.witem[g]
+                if nbytes:
+                    units.append((off, nbytes, r, g))
+                    off += nbytes
+            for q, grp in enumerate(groups):
+                if not region_overlap_numel(src_region, grp.region):
+                    continue
+                for s, (_, stripe) in enumerate(grp.stripes):
+                    stats.consumers_walked += 1
+                    nbytes = region_overlap_numel(src_region, stripe) * self.witem[grp.g]
+                    if nbytes:
+                        units.append((off, nbytes, (q, s), grp.g))
                         off += nbytes
-                base += group_bytes[g]
-        # As a destination: receive every overlapping shard I do not hold myself.
-        for g, layout in enumerate(spec.dsts):
-            if layout.coords(rank) is None:
+        got = self._units[key] = (units, off, {u[2]: u[0] for u in units})
+        return got
+
+    def unit_blocks(self, t: _Template, i: int, stats) -> list[_Block]:
+        got = t._unit_blocks.get(i)
+        if got is None:
+            key = t.src[4]
+            _, _, target, g = t.src[3][i]
+            src_region = self.src_region(key, stats)
+            if isinstance(target, tuple):
+                grp = self._groups[target[0]]
+                offset, stripe = grp.stripes[target[1]]
+                got = self.blocks(g, src_region, stripe, grp, offset)
+            else:
+                got = self.blocks(g, src_region, self.dst_region(g, target, stats))
+            t._unit_blocks[i] = got
+        return got
+
+    # -- one rank position's template -------------------------------------------------------------
+    def template(self, c: int, stats) -> _Template:
+        t = self._templates.get(c)
+        if t is not None:
+            stats.reused += 1
+            return t
+        stats.templates += 1
+        t = _Template()
+        src, dsts = self.src, self.dsts
+        fan = self.stripe_bytes is not None
+        if src.coords(c) is not None:
+            key = src.shard_key(c)
+            replicas = self.src_geo.key_ranks(key)
+            src_region = self.src_region(key, stats)
+            for g, layout in enumerate(dsts):
+                if layout.coords(c) is not None:
+                    t.local.append((g, self.blocks(g, src_region, self.dst_region(g, c, stats))))
+            units, total, _ = self.units(key, stats)
+            if total:
+                t.src = (len(replicas), replicas.index(c), total, units, key)
+        for g, layout in enumerate(dsts):
+            if layout.coords(c) is None:
                 continue
-            my_region = self._dst_region(g, rank)
+            my_region = self.dst_region(g, c, stats)
+            if fan and src.coords(c) is None:
+                groups = self.groups(stats)
+                q, j = self._member[c]
+                grp = groups[q]
+                per_stripe = []
+                for s, (offset, stripe) in enumerate(grp.stripes):
+                    parts = []
+                    for key in self.src_geo.overlapping_keys(stripe):
+                        replicas = self.src_geo.key_ranks(key)
+                        units, total, where = self.units(key, stats)
+                        blocks = self.blocks(g, self.src_region(key, stats), stripe, grp, offset)
+                        gathers = [_Block(Box(b.box.start, b.box.shape, b.box.dst_start, b.box.dst_start),
+                                          _contiguous(b.box.shape, region_shape(grp.region))) for b in blocks]
+                        parts.append((len(replicas), replicas, where[(q, s)], total, blocks, gathers))
+                    per_stripe.append(parts)
+                t.fan = (grp, j, per_stripe)
+                continue
             for key in self.src_geo.overlapping_keys(my_region):
                 replicas = self.src_geo.key_ranks(key)
-                if rank in replicas:
-                    continue  # local copy, planned on the source side above
-                rep_set = set(replicas)
-                src_region = self._src_region(key)
-                k = len(replicas)
-                group_bytes = [self._group_bytes(h, src_region, rep_set) for h in range(len(spec.dsts))]
-                total = sum(group_bytes)
-                off = sum(group_bytes[:g])
-                for r, nbytes in self._consumers_in_group(g, key, src_region, rep_set):
-                    if r == rank:
-                        break
-                    off += nbytes
-                sender = replicas[self._window_of(off, total, k)]
-                ops += self._make_ops(sender, rank, g, src_region, my_region)
-        return ops
+                if c in replicas:
+                    continue  # a local copy, planned on the source side
+                src_region = self.src_region(key, stats)
+                if fan:
+                    units, total, where = self.units(key, stats)
+                    off = where[c]
+                else:
+                    off, total = self._plain_offset(key, g, c, stats)
+                t.recv.append((len(replicas), replicas, off, total, g, self.blocks(g, src_region, my_region)))
+        self._templates[c] = t
+        return t
 
-    def _make_ops(self, src: int, dst: int, g: int, src_region: Region, dst_region: Region) -> list[Op]:
-        spec = self.spec
-        dst_dtype = spec.dsts[g].dtype
-        wire = wire_dtype(spec.src.dtype, dst_dtype)
-        itemsize = dtype_from_name(wire).itemsize
-        ops = []
-        for box in intersect_regions(src_region, dst_region):
-            for piece in split_box(box, itemsize, self.bucket_bytes):
-                ops.append(
-                    Op(task_id(spec.name, dst, piece.start, piece.shape), spec.name, src, dst, piece,
-                       spec.src.dtype, dst_dtype, wire)
-                )
-        return ops
+
+class _PlannerCache:
+    """Per-index planning state: canonical forms, geometry and templates, filled on demand.
+
+    A form is a param's source and destination layouts with ranks renumbered by first
+    appearance (source mesh, then each destination mesh): params whose layouts differ
+    only by which ranks hold them (the layers of one pipeline stage, the experts of one
+    EP rank) share a form, and so share their geometry and templates.
+    """
+
+    def __init__(self):
+        self._geometry: dict[tuple, _LayoutGeometry] = {}
+        self._tables: dict[tuple, tuple] = {}
+        self._regions: dict[tuple, Region] = {}
+        self._forms: dict[tuple, tuple] = {}
+        self._canon_layouts: dict[tuple, TensorLayout] = {}
+        self._planners: dict[tuple, _FormPlanner] = {}
+
+    def geometry(self, shape, layout: TensorLayout) -> _LayoutGeometry:
+        key = (shape, layout)
+        geo = self._geometry.get(key)
+        if geo is None:
+            tkey = (shape, layout.mesh_shape, layout.placements)
+            tables = self._tables.get(tkey)
+            geo = self._geometry[key] = _LayoutGeometry(shape, layout, tables)
+            if tables is None:
+                self._tables[tkey] = (geo.dims_of, geo.by_dim)
+        return geo
+
+    def region(self, shape, layout: TensorLayout, rank: int) -> Region:
+        """``layout.region(shape, rank)``, shared by every mesh of one shape and placements."""
+        coords = layout.coords(rank)
+        key = (shape, layout.mesh_shape, layout.placements, coords)
+        reg = self._regions.get(key)
+        if reg is None:
+            reg = self._regions[key] = shard_region(shape, layout.mesh_shape, coords, layout.placements)
+        return reg
+
+    def form(self, src: TensorLayout, dsts: tuple[TensorLayout, ...], domains) -> tuple:
+        """(form, canonical index -> rank, rank -> canonical index) of one param's layouts."""
+        key = (src, dsts, domains)
+        got = self._forms.get(key)
+        if got is None:
+            to_c: dict[int, int] = {}
+            for lay in (src, *dsts):
+                for r in lay.mesh_ranks:
+                    if r not in to_c:
+                        to_c[r] = len(to_c)
+            ranks = tuple(to_c)
+            cdoms = None
+            if domains is not None:
+                labels: dict[Any, int] = {}
+                cdoms = tuple(labels.setdefault(domains[r], len(labels)) for r in ranks)
+            form = (self._canon(src, to_c), tuple(self._canon(d, to_c) for d in dsts), cdoms)
+            got = self._forms[key] = (form, ranks, to_c)
+        return got
+
+    def _canon(self, layout: TensorLayout, to_c: dict[int, int]) -> TensorLayout:
+        ranks = tuple(to_c[r] for r in layout.mesh_ranks)
+        key = (ranks, layout.mesh_shape, layout.placements, layout.dtype)
+        lay = self._canon_layouts.get(key)
+        if lay is None:
+            lay = self._canon_layouts[key] = TensorLayout(*key)
+        return lay
+
+    def planner(self, shape, form, bucket_bytes: int, stripe_bytes: int | None) -> _FormPlanner:
+        key = (shape, form, bucket_bytes, stripe_bytes)
+        fp = self._planners.get(key)
+        if fp is None:
+            fp = self._planners[key] = _FormPlanner(shape, form, self, bucket_bytes, stripe_bytes)
+        return fp
+
+
+def _planner_cache(index: ParamIndex) -> _PlannerCache:
+    cache = index.__dict__.get("_planner_cache")
+    if cache is None:
+        cache = index.__dict__["_planner_cache"] = _PlannerCache()
+    return cache
+
+
+def reset_planner_cache(index: ParamIndex) -> None:
+    """Forget the geometry and templates cached on ``index`` (to time a cold build)."""
+    index.__dict__.pop("_planner_cache", None)
+
+
+def _task_id_from(prefix: bytes, block: _Block) -> int:
+    return int.from_bytes(hashlib.blake2b(prefix + block.key, digest_size=8).digest(), "little") >> 1
+
+
+def _normalize_domains(domains, world_size: int):
+    if domains is None:
+        return None
+    if callable(domains):
+        return tuple(domains(r) for r in range(world_size))
+    if isinstance(domains, Mapping):
+        return tuple(domains.get(r, ("rank", r)) for r in range(world_size))
+    out = tuple(domains)
+    if len(out) < world_size:
+        raise PlanError(f"fanout_domains: {len(out)} entries for a world of {world_size} ranks")
+    return out[:world_size]
+
+
+def _contiguous(box_shape: Sequence[int], tensor_shape: Sequence[int]) -> bool:
+    """Whether a block is one contiguous run of a C-contiguous tensor of ``tensor_shape``."""
+    d = 0
+    while d < len(box_shape) and box_shape[d] == 1:
+        d += 1
+    return all(box_shape[e] == tensor_shape[e] for e in range(d + 1, len(box_shape)))
 
 
 def _align(offset: int, alignment: int) -> int:
     return -(-offset // alignment) * alignment
 
 
-def pack_buckets(ops: Sequence[Op], peer: int, bucket_bytes: int) -> list[Bucket]:
+def pack_buckets(ops: Sequence[Op], peer: int, bucket_bytes: int, direct_bytes: int | None = None) -> list[Bucket]:
     """Greedy packing of one pair's ops, in canonical order, into buckets of at most
-    ``bucket_bytes``; each op aligned to its element size so it can be viewed in place."""
+    ``bucket_bytes``; each op aligned to its element size so it can be viewed in place.
+
+    An op of at least ``direct_bytes`` that is contiguous on both ends with no cast gets
+    a bucket of its own, after the packed ones: the transport then sends it from, and
+    receives it into, the tensors themselves, and the copy in and out of staging (the
+    largest cost on a CPU host) disappears for the bulk of a model's bytes.
+    """
+    direct_bytes = DEFAULT_DIRECT_BYTES if direct_bytes is None else direct_bytes
+    ordered = sorted(ops, key=Op.sort_key)
+    alone = [op for op in ordered if op.direct and op.nbytes >= direct_bytes]
+    packed = [op for op in ordered if not (op.direct and op.nbytes >= direct_bytes)]
     buckets: list[Bucket] = []
     cur_ops: list[Op] = []
     cur_offsets: list[int] = []
     size = 0
-    for op in sorted(ops, key=Op.sort_key):
-        itemsize = dtype_from_name(op.wire_dtype).itemsize
+    for op in packed:
+        itemsize = _itemsize(op.wire_dtype)
         at = _align(size, itemsize)
         if cur_ops and at + op.nbytes > bucket_bytes:
             buckets.append(Bucket(peer, len(buckets), tuple(cur_ops), tuple(cur_offsets), size))
@@ -554,6 +978,8 @@ def pack_buckets(ops: Sequence[Op], peer: int, bucket_bytes: int) -> list[Bucket
         size = at + op.nbytes
     if cur_ops:
         buckets.append(Bucket(peer, len(buckets), tuple(cur_ops), tuple(cur_offsets), size))
+    for op in alone:
+        buckets.append(Bucket(peer, len(buckets), (op,), (0,), op.nbytes))
     return buckets
 
 
@@ -575,34 +1001,122 @@ def build_rank_plan(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     stats: PlanStats | None = None,
+    fanout: bool = False,
+    fanout_domains: Any = None,
+    fanout_stripe_bytes: int = DEFAULT_STRIPE_BYTES,
 ) -> RankPlan:
-    """Build the ops of ``rank`` alone, from merged rosters."""
+    """Build the ops of ``rank`` alone, from merged rosters.
+
+    ``fanout=True`` (opt-in) stripes every region that several destination ranks outside
+    the source mesh need alike: the sources send each stripe once per group, to one
+    member, and the members complete the region with an all-gather among themselves
+    (``RankPlan.gather_sends`` / ``gather_recvs``, run by ``refit.fanout``). So the
+    sources' egress is one copy per group instead of one per replica. ``fanout_domains``
+    (a rank -> domain sequence, mapping or callable, e.g. the node of each rank) keeps
+    groups inside one domain, so the all-gather stays on the fast links. Stripes are cut
+    on a grid of about ``fanout_stripe_bytes`` that depends on the region alone, so task
+    ids stay stable when replicas join.
+    """
     if bucket_bytes < 16:
         raise PlanError(f"bucket_bytes must be at least 16, got {bucket_bytes}")
+    if fanout and fanout_stripe_bytes < 1:
+        raise PlanError(f"fanout_stripe_bytes must be positive, got {fanout_stripe_bytes}")
     stats = stats if stats is not None else PlanStats()
-    geometry = _GeometryCache()
+    cache = _planner_cache(index)
+    domains = _normalize_domains(fanout_domains, index.world_size) if fanout else None
+    stripe_bytes = fanout_stripe_bytes if fanout else None
     sends: dict[int, list[Op]] = defaultdict(list)
     recvs: dict[int, list[Op]] = defaultdict(list)
+    gsends: dict[int, list[Op]] = defaultdict(list)
+    grecvs: dict[int, list[Op]] = defaultdict(list)
     local: list[Op] = []
+    nops = 0
     for name in index.by_rank.get(rank, ()):
-        for op in _ParamPlanner(index.specs[name], geometry, stats, bucket_bytes).ops_for(rank):
-            if op.src == op.dst:
-                local.append(op)
-            elif op.src == rank:
-                sends[op.dst].append(op)
-            else:
-                recvs[op.src].append(op)
-    plan = RankPlan(rank, index.world_size, bucket_bytes, plan_key(index, rank, bucket_bytes))
-    plan.sends = sorted((b for p, o in sends.items() for b in pack_buckets(o, p, bucket_bytes)),
-                        key=lambda b: (b.index, b.peer))
-    plan.recvs = sorted((b for p, o in recvs.items() for b in pack_buckets(o, p, bucket_bytes)),
-                        key=lambda b: (b.index, b.peer))
+        spec = index.specs[name]
+        form, ranks, to_c = cache.form(spec.src, spec.dsts, domains)
+        fp = cache.planner(spec.shape, form, bucket_bytes, stripe_bytes)
+        c = to_c[rank]
+        t = fp.template(c, stats)
+        src_dtype = fp.src.dtype
+        dsts = fp.dsts
+        prefixes: dict[int, bytes] = {}
+
+        def emit(out: list, blocks: list[_Block], src_c: int, dst_c: int, g: int, gather: bool = False) -> None:
+            s, d = ranks[src_c], ranks[dst_c]
+            prefix = prefixes.get(d)
+            if prefix is None:
+                prefix = prefixes[d] = f"{name}|{d}".encode()
+            dd = dsts[g].dtype
+            sd, wire = (dd, dd) if gather else (src_dtype, fp.wire[g])
+            for b in blocks:
+                out.append(Op(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct))
+
+        for g, blocks in t.local:
+            emit(local, blocks, c, c, g)
+        if t.src is not None:
+            k = t.src[0]
+            rot = _rotation(name) % k
+            units = t.src[3]
+            rot_f = _rotation(name, b"|fanout") if fanout else 0
+            for i in t.mine(rot):
+                target, g = units[i][2], units[i][3]
+                if isinstance(target, tuple):
+                    grp = fp._groups[target[0]]
+                    dst_c = grp.owner(target[1], rot_f % len(grp.members))
+                else:
+                    dst_c = target
+                emit(sends[ranks[dst_c]], fp.unit_blocks(t, i, stats), c, dst_c, g)
+        if t.recv:
+            h = _rotation(name)
+            for k, replicas, off, total, g, blocks in t.recv:
+                sender = replicas[_window(off, total, k, h % k)]
+                emit(recvs[ranks[sender]], blocks, sender, c, g)
+        if t.fan is not None:
+            grp, j, per_stripe = t.fan
+            g = grp.g
+            h = _rotation(name)
+            rot_f = _rotation(name, b"|fanout") % len(grp.members)
+            for s, parts in enumerate(per_stripe):
+                owner = grp.owner(s, rot_f)
+                if owner == c:
+                    for k, replicas, off, total, blocks, gathers in parts:
+                        sender = replicas[_window(off, total, k, h % k)]
+                        emit(recvs[ranks[sender]], blocks, sender, c, g)
+                        for m in grp.members:
+                            if m != c:
+                                emit(gsends[ranks[m]], gathers, c, m, g, gather=True)
+                else:
+                    for *_, gathers in parts:
+                        emit(grecvs[ranks[owner]], gathers, owner, c, g, gather=True)
+    plan = RankPlan(rank, index.world_size, bucket_bytes,
+                    plan_key(index, rank, bucket_bytes, fanout=_fanout_key(fanout, stripe_bytes, domains)))
+
+    def packed(by_peer: dict[int, list[Op]]) -> list[Bucket]:
+        return sorted((b for p, o in by_peer.items() for b in pack_buckets(o, p, bucket_bytes)),
+                      key=lambda b: (b.index, b.peer))
+
+    plan.sends = packed(sends)
+    plan.recvs = packed(recvs)
     plan.local = sorted(local, key=Op.sort_key)
+    plan.gather_sends = packed(gsends)
+    plan.gather_recvs = packed(grecvs)
+    plan.fanout = fanout
+    stats.ops += len(local) + sum(len(v) for d in (sends, recvs, gsends, grecvs) for v in d.values())
     return plan
 
 
-def plan_key(index: ParamIndex, rank: int, bucket_bytes: int) -> tuple:
-    return (index.world_size, index.digest, rank, bucket_bytes)
+def _fanout_key(fanout: bool, stripe_bytes, domains) -> tuple | None:
+    if not fanout:
+        return None
+    digest = None
+    if domains is not None:
+        digest = hashlib.blake2b(repr(domains).encode(), digest_size=8).hexdigest()
+    return ("fanout", stripe_bytes, digest)
+
+
+def plan_key(index: ParamIndex, rank: int, bucket_bytes: int, *, fanout: tuple | None = None) -> tuple:
+    key = (index.world_size, index.digest, rank, bucket_bytes)
+    return key if fanout is None else key + (fanout,)
 
 
 class PlanCache:
@@ -618,14 +1132,18 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, index: ParamIndex, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> RankPlan:
-        key = plan_key(index, rank, bucket_bytes)
+    def get(self, index: ParamIndex, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            fanout: bool = False, fanout_domains: Any = None,
+            fanout_stripe_bytes: int = DEFAULT_STRIPE_BYTES) -> RankPlan:
+        domains = _normalize_domains(fanout_domains, index.world_size) if fanout else None
+        key = plan_key(index, rank, bucket_bytes, fanout=_fanout_key(fanout, fanout_stripe_bytes, domains))
         plan = self._plans.get(key)
         if plan is not None:
             self.hits += 1
             return plan
         self.misses += 1
-        plan = build_rank_plan(index, rank, bucket_bytes=bucket_bytes)
+        plan = build_rank_plan(index, rank, bucket_bytes=bucket_bytes, fanout=fanout, fanout_domains=domains,
+                               fanout_stripe_bytes=fanout_stripe_bytes)
         if len(self._plans) >= self.max_entries:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan

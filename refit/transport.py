@@ -1,13 +1,15 @@
 """Executes one rank's plan over a communicator: pack, send/recv by rounds, unpack in place.
 
-Bucket ``i`` of every pair travels in round ``i``. Every rank posts a round's receives
-before its sends and only ever waits on rounds it has already posted, so no rank can
-wait on a peer that is waiting on it, whatever the pair pattern. ``depth`` rounds are
-in flight at once: packing round ``i+1`` overlaps the wire of round ``i``, and staging
-memory stays bounded by ``depth x (send + receive buckets of one round)``.
-
 A bucket holding one block that is already contiguous in the right dtype is sent from,
-or received into, the tensor itself: large tensors never take a staging copy.
+or received into, the tensor itself, and all of those are posted at once before
+anything waits: they cost no staging memory, and large tensors never take a copy.
+
+The other buckets are packed. Bucket ``i`` of every pair travels in round ``i``. Every
+rank posts a round's receives before its sends and only ever waits on rounds it has
+already posted, so no rank can wait on a peer that is waiting on it, whatever the pair
+pattern. ``depth`` rounds are in flight at once: packing round ``i+1`` overlaps the
+wire of round ``i``, and staging memory stays bounded by ``depth x (send + receive
+buckets of one round)``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class TransferStats:
     zero_copy_buckets: int = 0
     peak_staging_bytes: int = 0
     seconds: float = 0.0
+    staging_capacity_bytes: int = 0  # staging memory held (streamed path: the arena, <= its budget)
+    groups: int = 0  # streamed path: NCCL groups (windows of rounds) issued
     checksums_sent: dict[tuple[int, int], int] = field(default_factory=dict)
     checksums_received: dict[tuple[int, int], int] = field(default_factory=dict)
 
@@ -79,9 +83,22 @@ class PlanExecutor:
     """Runs a ``RankPlan`` against this rank's source and destination local tensors."""
 
     def __init__(self, plan: RankPlan, comm: Communicator, *, depth: int = 2, device: torch.device | None = None,
-                 verify: bool = False, corrupt: Callable[[Bucket, torch.Tensor], None] | None = None):
+                 verify: bool = False, corrupt: Callable[[Bucket, torch.Tensor], None] | None = None,
+                 pipeline: str = "auto", staging_budget_bytes: int | None = None, group_bytes: int | None = None,
+                 sync: bool = True):
+        """``pipeline``: ``"rounds"`` (this class's host-driven rounds), ``"streamed"`` (the
+        CUDA-stream pipeline of ``refit.streamed``, bounded by ``staging_budget_bytes``; on CPU
+        tensors it runs on the host), or ``"auto"``: streamed for CUDA tensors on a
+        stream-ordered (NCCL) communicator, rounds otherwise. ``sync=False`` (streamed only)
+        returns once the work is queued; the caller's stream is ordered after it."""
         if depth < 1:
             raise PlanError(f"depth must be >= 1, got {depth}")
+        if pipeline not in ("auto", "rounds", "streamed"):
+            raise PlanError(f"pipeline must be 'auto', 'rounds' or 'streamed', got {pipeline!r}")
+        self.pipeline = pipeline
+        self.staging_budget_bytes = staging_budget_bytes
+        self.group_bytes = group_bytes
+        self.sync = sync
         self.plan = plan
         self.comm = comm
         self.depth = depth
@@ -103,37 +120,58 @@ class PlanExecutor:
         return torch.device("cpu")
 
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> TransferStats:
+        device = self._device_of(src, dst)
+        mode = self.pipeline
+        if mode == "auto":
+            mode = "streamed" if device.type == "cuda" and getattr(self.comm, "stream_ordered", False) else "rounds"
+        if mode == "streamed":
+            from refit.streamed import StreamedExecutor
+
+            return StreamedExecutor(
+                self.plan, self.comm, device=device, verify=self.verify, corrupt=self._corrupt,
+                staging_budget_bytes=self.staging_budget_bytes, group_bytes=self.group_bytes, sync=self.sync,
+            ).run(src, dst)
         stats = TransferStats()
         t0 = time.perf_counter()
-        device = self._device_of(src, dst)
+        # Blocks that need no staging go first and all at once: their receives write
+        # straight into the destination tensors, so posting every one of them costs no
+        # memory, and nobody waits on them until the staged rounds are done.
+        direct_recvs, direct_sends = [], []
+        for b in self.plan.recvs:
+            view = _direct_view(b, dst, "dst")
+            if view is not None:
+                direct_recvs.append((b, view, True, self.comm.irecv(view, b.peer, tag=b.index)))
+        for b in self.plan.sends if self._corrupt is None else ():
+            view = _direct_view(b, src, "src")
+            if view is not None:
+                if self.verify:
+                    stats.checksums_sent[(b.peer, b.index)] = checksum(view)
+                direct_sends.append((b, view, True, self.comm.isend(view, b.peer, tag=b.index)))
+        stats.zero_copy_buckets = len(direct_recvs) + len(direct_sends)
+        done = {("recv", w[0].peer, w[0].index) for w in direct_recvs}
+        done |= {("send", w[0].peer, w[0].index) for w in direct_sends}
         inflight: deque = deque()
         staging = 0
         local_done = False
         for r in range(self.plan.num_rounds):
             recvs = []
             for b in self._by_round_recv.get(r, ()):
-                direct = _direct_view(b, dst, "dst")
-                buf = direct if direct is not None else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-                if direct is None:
-                    staging += b.nbytes
-                else:
-                    stats.zero_copy_buckets += 1
-                recvs.append((b, buf, direct is not None, self.comm.irecv(buf, b.peer, tag=b.index)))
+                if ("recv", b.peer, b.index) in done:
+                    continue
+                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+                staging += b.nbytes
+                recvs.append((b, buf, False, self.comm.irecv(buf, b.peer, tag=b.index)))
             sends = []
             for b in self._by_round_send.get(r, ()):
-                buf = _direct_view(b, src, "src")
-                direct = buf is not None
-                if direct and self._corrupt is None:
-                    stats.zero_copy_buckets += 1
-                else:
-                    buf = self._pack(b, src, device)
-                    staging += b.nbytes
-                    direct = False
+                if ("send", b.peer, b.index) in done:
+                    continue
+                buf = self._pack(b, src, device)
+                staging += b.nbytes
                 if self.verify:
                     stats.checksums_sent[(b.peer, b.index)] = checksum(buf)
                 if self._corrupt is not None:
                     self._corrupt(b, buf)
-                sends.append((b, buf, direct, self.comm.isend(buf, b.peer, tag=b.index)))
+                sends.append((b, buf, False, self.comm.isend(buf, b.peer, tag=b.index)))
             inflight.append((recvs, sends))
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
             if not local_done:
@@ -145,6 +183,7 @@ class PlanExecutor:
             self._local_copies(src, dst, stats)
         while inflight:
             staging -= self._finish(inflight.popleft(), dst, stats)
+        self._finish((direct_recvs, direct_sends), dst, stats)
         stats.seconds = time.perf_counter() - t0
         return stats
 

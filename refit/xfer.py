@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Any
 
 import torch
@@ -22,9 +23,15 @@ from refit.layout import (
     intersect_regions,
     local_tensor_of,
     region_shape,
-    shard_region,
 )
-from refit.plan import PlanCache, RosterEntry, TensorLayout, merge_rosters
+from refit.plan import (
+    DEFAULT_BUCKET_BYTES,
+    PlanCache,
+    RosterEntry,
+    TensorLayout,
+    build_rank_plan,
+    merge_rosters,
+)
 from refit.transport import execute_plan
 
 PARAM = "tensor"
@@ -130,13 +137,18 @@ def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh
     ``xferdtensor`` is tested against, and the cost every rank pays in the naive refit.
     """
     comm = as_communicator(process_group)
-    index, spec = _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
+    _, spec = _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
+    golden_from_spec(
+        comm, spec,
+        local_tensor_of(src_tensor) if src_tensor is not None else None,
+        local_tensor_of(dst_tensor) if dst_tensor is not None else None,
+    )
+
+
+def golden_from_spec(comm, spec, src_local: torch.Tensor | None, dst_local: torch.Tensor | None) -> None:
+    """``xferdtensor_golden`` for an already-merged param spec (every rank of ``comm`` calls it)."""
     src_dtype = getattr(torch, spec.src.dtype)
-    device = None
-    for t in (src_tensor, dst_tensor):
-        if t is not None:
-            device = local_tensor_of(t).device
-    device = device or torch.device("cpu")
+    device = next((t.device for t in (src_local, dst_local) if t is not None), torch.device("cpu"))
     full = torch.empty(spec.shape, dtype=src_dtype, device=device)
     whole = tuple(((0, n),) if n else () for n in spec.shape)
     seen = set()
@@ -150,19 +162,61 @@ def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh
         shape = region_shape(region)
         if math.prod(shape) == 0:
             continue
-        buf = local_tensor_of(src_tensor).contiguous() if comm.rank == root else torch.empty(
-            shape, dtype=src_dtype, device=device)
+        buf = src_local.contiguous() if comm.rank == root else torch.empty(shape, dtype=src_dtype, device=device)
         comm.broadcast(buf, root)
         for box in intersect_regions(region, whole):
             full[box.dst_slices()].copy_(buf[box.src_slices()])
-    if dst_tensor is not None:
-        for layout in spec.dsts:
-            if layout.coords(comm.rank) is None:
-                continue
-            region = layout.region(spec.shape, comm.rank)
-            local = local_tensor_of(dst_tensor)
-            for box in intersect_regions(whole, region):
-                local[box.dst_slices()].copy_(full[box.src_slices()])
+    if dst_local is None:
+        return
+    for layout in spec.dsts:
+        if layout.coords(comm.rank) is None:
+            continue
+        for box in intersect_regions(whole, layout.region(spec.shape, comm.rank)):
+            dst_local[box.dst_slices()].copy_(full[box.src_slices()])
 
 
-__all__ = ["xferdtensor", "xferdtensor_golden", "shard_region"]
+class Resharder:
+    """Many tensors at once: rosters exchanged and checked once, the plan built once.
+
+    ``src`` and ``dst`` map a param name to ``(tensor, mesh, placements)`` for what this
+    rank holds and needs; every rank of ``process_group`` constructs one (possibly with
+    empty maps). Bad rosters raise on every rank here, before any byte moves.
+    """
+
+    def __init__(self, process_group, src=None, dst=None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 depth: int = 2):
+        self.comm = as_communicator(process_group)
+        src, dst = dict(src or {}), dict(dst or {})
+        entries, error = [], None
+        try:
+            for role, side in (("src", src), ("dst", dst)):
+                for name, (t, mesh, placements) in side.items():
+                    entries.append(RosterEntry.make(name, tuple(t.shape), dtype_name(t.dtype), mesh, placements, role))
+        except (TypeError, RefitError) as e:
+            error = f"rank {self.comm.rank}: {e}"
+        gathered = self.comm.all_gather_object((entries, error))
+        errors = [err for _, err in gathered if err]
+        if errors:
+            raise PlanError("; ".join(errors))
+        self.index = merge_rosters({r: e for r, (e, _) in enumerate(gathered)}, self.comm.world_size)
+        for role, side in (("src", src), ("dst", dst)):
+            for name, (t, _, _) in side.items():
+                spec = self.index.specs[name]
+                layouts = [spec.src] if role == "src" else list(spec.dsts)
+                layout = next(lay for lay in layouts if lay.coords(self.comm.rank) is not None)
+                want = region_shape(layout.region(spec.shape, self.comm.rank))
+                if tuple(local_tensor_of(t).shape) != want:
+                    raise LayoutError(f"{name}: rank {self.comm.rank}'s {role} local tensor has shape "
+                                      f"{list(local_tensor_of(t).shape)}, its layout gives {list(want)}")
+        self.src = {n: local_tensor_of(t) for n, (t, _, _) in src.items()}
+        self.dst = {n: local_tensor_of(t) for n, (t, _, _) in dst.items()}
+        t0 = time.perf_counter()
+        self.plan = build_rank_plan(self.index, self.comm.rank, bucket_bytes=bucket_bytes)
+        self.plan_seconds = time.perf_counter() - t0
+        self.depth = depth
+
+    def run(self, **kwargs):
+        return execute_plan(self.plan, self.comm, self.src, self.dst, depth=self.depth, **kwargs)
+
+
+__all__ = ["Resharder", "golden_from_spec", "xferdtensor", "xferdtensor_golden"]

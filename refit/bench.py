@@ -1,0 +1,308 @@
+"""``refit bench``: a reshard of a realistic tensor mix, next to the golden broadcast and raw send/recv.
+
+On CPU it starts a LocalFleet of processes over gloo: ``--src`` source ranks holding a
+Llama-shaped model (q/k/v/o, gate/up/down, norms, embeddings; a few hundred tensors from
+2 KB to 64 MB) sharded TP over dim 0 or 1 as Megatron does, and ``--dst-tp x --dst-dp``
+destination ranks holding it in another layout. In the same run it times:
+
+* refit: the per-rank plan, executed (median of ``--repeat`` runs);
+* golden: ``xferdtensor_golden`` on the same tensors (one broadcast per source shard);
+* raw: one flat buffer per (source, destination) pair with exactly the plan's bytes,
+  all pairs at once: what the wire can do with no packing, planning or unpacking.
+
+Every destination element is checked against the expected slice after the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+MIB = 1 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo processes; cuda: NCCL on GPUs")
+    p.add_argument("--src", type=int, default=4, help="source ranks (TP size of the trainer) [4]")
+    p.add_argument("--dst-tp", type=int, default=2, help="TP size of each destination replica [2]")
+    p.add_argument("--dst-dp", type=int, default=2, help="destination replicas [2]")
+    p.add_argument("--layers", type=int, default=32, help="transformer layers in the model [32]")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size [512]")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size [32000]")
+    p.add_argument("--dtype", default="float32", help="source dtype [float32]")
+    p.add_argument("--dst-dtype", default=None, help="destination dtype (default: same as source)")
+    p.add_argument("--bucket-mib", type=float, default=16, help="bucket size in MiB [16]")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs of each variant [3]")
+    p.add_argument("--skip-golden", action="store_true", help="do not time the golden broadcast")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    try:
+        from refit import bench_gpu
+    except ImportError:
+        bench_gpu = None
+    if bench_gpu is not None and hasattr(bench_gpu, "add_gpu_arguments"):
+        bench_gpu.add_gpu_arguments(p)
+
+
+def model_tensors(layers: int, hidden: int, vocab: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(name, global shape, TP shard dim or None for replicated), Llama-shaped with GQA 4:1."""
+    kv = max(hidden // 4, 1)
+    inter = (hidden * 11) // 4
+    out = [("model.embed_tokens.weight", (vocab, hidden), 0)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (hidden,), None),
+            (p + "self_attn.q_proj.weight", (hidden, hidden), 0),
+            (p + "self_attn.k_proj.weight", (kv, hidden), 0),
+            (p + "self_attn.v_proj.weight", (kv, hidden), 0),
+            (p + "self_attn.o_proj.weight", (hidden, hidden), 1),
+            (p + "post_attention_layernorm.weight", (hidden,), None),
+            (p + "mlp.gate_proj.weight", (inter, hidden), 0),
+            (p + "mlp.up_proj.weight", (inter, hidden), 0),
+            (p + "mlp.down_proj.weight", (hidden, inter), 1),
+        ]
+    out += [("model.norm.weight", (hidden,), None), ("lm_head.weight", (vocab, hidden), 0)]
+    return out
+
+
+def _placements(shard_dim, mesh_ndim):
+    from refit import Replicate, Shard
+
+    tp = Shard(shard_dim) if shard_dim is not None else Replicate()
+    return [tp] if mesh_ndim == 1 else [Replicate(), tp]
+
+
+def _setup(group, cfg):
+    """Build this rank's source and destination tensors and the resharder."""
+    import numpy as np
+    import torch
+
+    from refit.layout import DTensorRef, region_shape, shard_region
+    from refit.xfer import Resharder
+
+    n_src, tp, dp = cfg["src"], cfg["dst_tp"], cfg["dst_dp"]
+    src_mesh = list(range(n_src))
+    dst_mesh = np.arange(n_src, n_src + tp * dp).reshape(dp, tp).tolist()
+    sdt, ddt = getattr(torch, cfg["dtype"]), getattr(torch, cfg["dst_dtype"])
+    src, dst, expect = {}, {}, {}
+    for i, (name, shape, dim) in enumerate(model_tensors(cfg["layers"], cfg["hidden"], cfg["vocab"])):
+        if group.rank < n_src:
+            sp = _placements(dim, 1)
+            region = shard_region(shape, (n_src,), (group.rank,), sp)
+            local = torch.empty(region_shape(region), dtype=sdt)
+            _fill(local, region, i)
+            src[name] = (DTensorRef(local, shape), src_mesh, sp)
+        else:
+            dp_i, tp_i = divmod(group.rank - n_src, tp)
+            placements = _placements(dim, 2)
+            region = shard_region(shape, (dp, tp), (dp_i, tp_i), placements)
+            local = torch.full(region_shape(region), float("nan"), dtype=ddt)
+            want = torch.empty(local.shape, dtype=sdt)
+            _fill(want, region, i)
+            expect[name] = want.to(ddt)
+            dst[name] = (DTensorRef(local, shape), dst_mesh, placements)
+    r = Resharder(group, src, dst, bucket_bytes=int(cfg["bucket_mib"] * MIB))
+    return r, expect
+
+
+def _fill(t, region, salt):
+    """Deterministic values that depend on the global index, so misplaced bytes show."""
+    import torch
+
+    idx = None
+    for d, intervals in enumerate(region):
+        ix = torch.tensor([i for a, b in intervals for i in range(a, b)], dtype=torch.float64)
+        shape = [1] * len(region)
+        shape[d] = -1
+        term = ix.reshape(shape) * (1.0 + d * 0.001)
+        idx = term if idx is None else idx + term
+    if idx is None:
+        t.fill_(salt)
+        return
+    t.copy_(torch.sin(idx * 0.37 + salt).expand(t.shape))
+
+
+_STATE = {}
+
+
+def _bench_rank(group, cfg):
+    import torch
+
+    from refit.xfer import golden_from_spec
+
+    t0 = time.perf_counter()
+    resharder, expect = _setup(group, cfg)
+    setup_s = time.perf_counter() - t0
+    plan = resharder.plan
+    out = {"rank": group.rank, "plan_s": resharder.plan_seconds, "setup_s": setup_s,
+           "sent": plan.bytes_sent, "received": plan.bytes_received, "local": plan.local_bytes,
+           "payload_sent": sum(op.nbytes for op in plan.send_ops())}
+
+    def timed(fn):
+        times = []
+        for _ in range(cfg["repeat"]):
+            group.barrier()
+            t = time.perf_counter()
+            fn()
+            group.barrier()
+            times.append(time.perf_counter() - t)
+        return times
+
+    resharder.run()  # warm-up
+    stats = []
+    out["refit_s"] = timed(lambda: stats.append(resharder.run()))
+    out["peak_staging"] = max(s.peak_staging_bytes for s in stats)
+    out["correct"] = all(torch.equal(resharder.dst[n], expect[n]) for n in expect)
+
+    # raw: the same bytes per pair, one flat buffer each, all pairs at once
+    pair_bytes = {}
+    for b in plan.sends:
+        pair_bytes[("s", b.peer)] = pair_bytes.get(("s", b.peer), 0) + b.payload_bytes
+    for b in plan.recvs:
+        pair_bytes[("r", b.peer)] = pair_bytes.get(("r", b.peer), 0) + b.payload_bytes
+    bufs = {k: torch.empty(n, dtype=torch.uint8) for k, n in pair_bytes.items()}
+
+    def raw():
+        works = [group.irecv(buf, peer, tag=7) for (kind, peer), buf in bufs.items() if kind == "r"]
+        works += [group.isend(buf, peer, tag=7) for (kind, peer), buf in bufs.items() if kind == "s"]
+        for w in works:
+            group.wait(w)
+
+    raw()
+    out["raw_s"] = timed(raw)
+
+    if not cfg["skip_golden"]:
+        index = resharder.index
+
+        def golden():
+            for name in sorted(index.specs):
+                golden_from_spec(group, index.specs[name], resharder.src.get(name), resharder.dst.get(name))
+
+        out["golden_s"] = timed(golden)
+        out["golden_correct"] = all(torch.equal(resharder.dst[n], expect[n]) for n in expect)
+    return out
+
+
+def run_cpu(args) -> dict:
+    import torch
+
+    from refit.launch import LocalFleet
+    from refit.plan import min_bytes_needed
+
+    cfg = {
+        "src": args.src, "dst_tp": args.dst_tp, "dst_dp": args.dst_dp, "layers": args.layers,
+        "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype,
+        "dst_dtype": args.dst_dtype or args.dtype, "bucket_mib": args.bucket_mib, "repeat": args.repeat,
+        "skip_golden": args.skip_golden,
+    }
+    tensors = model_tensors(args.layers, args.hidden, args.vocab)
+    itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    sizes = [itemsize * _numel(s) for _, s, _ in tensors]
+    world = args.src + args.dst_tp * args.dst_dp
+    t0 = time.perf_counter()
+    with LocalFleet(world) as fleet:
+        start_s = time.perf_counter() - t0
+        ranks = fleet.run(_bench_rank, cfg, timeout_s=1800)
+    moved = sum(r["sent"] for r in ranks)
+    payload = sum(r["payload_sent"] for r in ranks)
+    refit_s = statistics.median(max(r["refit_s"][i] for r in ranks) for i in range(args.repeat))
+    raw_s = statistics.median(max(r["raw_s"][i] for r in ranks) for i in range(args.repeat))
+    result = {
+        "device": "cpu (gloo, one process per rank)",
+        "layout": f"TP{args.src} -> TP{args.dst_tp} x DP{args.dst_dp}",
+        "world_size": world,
+        "tensors": len(tensors),
+        "model_bytes": sum(sizes),
+        "smallest_tensor_bytes": min(sizes),
+        "largest_tensor_bytes": max(sizes),
+        "bytes_moved": moved,
+        "payload_bytes": payload,
+        "min_bytes_needed": _min_needed(ranks, min_bytes_needed, cfg),
+        "refit_s": refit_s,
+        "refit_GBps": payload / refit_s / 1e9,
+        "raw_sendrecv_s": raw_s,
+        "raw_GBps": payload / raw_s / 1e9,
+        "refit_over_raw_time": refit_s / raw_s,
+        "plan_build_s_max_rank": max(r["plan_s"] for r in ranks),
+        "peak_staging_bytes_max_rank": max(r["peak_staging"] for r in ranks),
+        "correct": all(r["correct"] for r in ranks),
+        "fleet_start_s": start_s,
+        "repeat": args.repeat,
+        "bucket_bytes": int(args.bucket_mib * MIB),
+    }
+    if not args.skip_golden:
+        golden_s = statistics.median(max(r["golden_s"][i] for r in ranks) for i in range(args.repeat))
+        result.update(golden_s=golden_s, speedup_vs_golden=golden_s / refit_s,
+                      golden_correct=all(r["golden_correct"] for r in ranks))
+    return result
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _min_needed(ranks, min_bytes_needed, cfg):
+    """The minimum, computed from the rosters alone (independently of the plan)."""
+    import numpy as np
+
+    from refit.plan import RosterEntry, merge_rosters
+
+    n_src, tp, dp = cfg["src"], cfg["dst_tp"], cfg["dst_dp"]
+    world = n_src + tp * dp
+    rosters = {r: [] for r in range(world)}
+    dst_mesh = np.arange(n_src, world).reshape(dp, tp).tolist()
+    for name, shape, dim in model_tensors(cfg["layers"], cfg["hidden"], cfg["vocab"]):
+        for r in range(n_src):
+            rosters[r].append(RosterEntry.make(name, shape, cfg["dtype"], list(range(n_src)), _placements(dim, 1), "src"))
+        for r in range(n_src, world):
+            rosters[r].append(RosterEntry.make(name, shape, cfg["dst_dtype"], dst_mesh, _placements(dim, 2), "dst"))
+    return min_bytes_needed(merge_rosters(rosters, world))
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"refit bench — {result['layout']} on {result['device']}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731
+    rows = [
+        ("tensors (sizes)", f"{result['tensors']} ({result['smallest_tensor_bytes'] / 1e3:.0f} KB .. "
+                            f"{result['largest_tensor_bytes'] / MIB:.1f} MiB)"),
+        ("model", gb(result["model_bytes"])),
+        ("bytes moved / minimum needed", f"{gb(result['bytes_moved'])} / {gb(result['min_bytes_needed'])}"),
+        ("refit", f"{result['refit_s']:.3f} s  ({result['refit_GBps']:.2f} GB/s)"),
+        ("raw send/recv, one buffer per pair", f"{result['raw_sendrecv_s']:.3f} s  ({result['raw_GBps']:.2f} GB/s)"),
+        ("refit time / raw time", f"{result['refit_over_raw_time']:.2f}x"),
+    ]
+    if "golden_s" in result:
+        rows.append(("xferdtensor_golden", f"{result['golden_s']:.3f} s"))
+        rows.append(("speed-up over golden", f"{result['speedup_vs_golden']:.1f}x"))
+    rows += [
+        ("plan build (slowest rank)", f"{result['plan_build_s_max_rank'] * 1e3:.1f} ms"),
+        ("peak staging (largest rank)", f"{result['peak_staging_bytes_max_rank'] / MIB:.1f} MiB"),
+        ("every destination element correct", "yes" if result["correct"] else "NO"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def run(args) -> int:
+    if args.device == "cuda":
+        from refit import bench_gpu
+
+        return bench_gpu.run_gpu(args)
+    result = run_cpu(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    ok = result["correct"] and result.get("golden_correct", True) and result["bytes_moved"] >= result["min_bytes_needed"]
+    return 0 if ok else 1
