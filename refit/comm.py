@@ -433,6 +433,42 @@ class StatelessProcessGroup:
         works += [self._pg.send([t], p, tag) for t, p in sends]
         return works
 
+    def p2p_group_raw(self, recvs: Sequence[tuple[int, int, int]], sends: Sequence[tuple[int, int, int]],
+                      *, stream) -> None:
+        """``p2p_group`` on device addresses: ``(ptr, nbytes, peer)`` triples, one NCCL group on
+        ``stream``. For callers that keep the memory alive and ordered themselves (the transport)."""
+        if self._aborted.is_set():
+            raise GroupAborted(f"p2p_group on an aborted communicator (rank {self.rank})")
+        if self._nccl is None:
+            raise RefitError("p2p_group_raw: this group has no NCCL communicator")
+        if recvs or sends:
+            self._nccl.group(recvs, sends, stream.cuda_stream, deadline=self._deadline)
+
+    def connect_peers(self, peers: Sequence[int]) -> None:
+        """Open NCCL's p2p connections to ``peers`` now, in one group (every rank of a plan calls
+        it with its peers, a symmetric set). NCCL otherwise connects inside the first group that
+        names a peer, a pairwise rendezvous whose order would then depend on each rank's windows."""
+        import torch
+
+        from refit import nccl
+
+        comm = self._nccl
+        if comm is None:
+            return
+        done = comm.connected
+        todo = sorted(set(int(p) for p in peers) - done - {self.rank})
+        if not todo:
+            return
+        a = torch.zeros(2 * len(todo), dtype=torch.uint8, device=self.device)
+        s = torch.cuda.current_stream(self.device)
+        comm.group([(a.data_ptr() + i, 1, p) for i, p in enumerate(todo)],
+                   [(a.data_ptr() + len(todo) + i, 1, p) for i, p in enumerate(todo)], s.cuda_stream,
+                   deadline=self._deadline)
+        ev = torch.cuda.Event()
+        ev.record(s)
+        self.wait(nccl.NcclWork(ev, comm, f"rank {self.rank}: connecting to {todo}", keep=a))
+        done.update(todo)
+
     def set_deadline(self, deadline: float | None) -> None:
         """Make every wait on this group give up at ``deadline`` (``time.monotonic()``)."""
         self._deadline = deadline
@@ -450,6 +486,19 @@ class StatelessProcessGroup:
             s = self._stream(stream)
             comm.broadcast(tensor.data_ptr(), tensor.numel() * tensor.element_size(), src, s.cuda_stream,
                            deadline=self._deadline)
+            return
+        if self._pg is None and self._nccl is not None and not self._aborted.is_set():
+            # a CPU tensor on an NCCL-only group: bounce it through the group's device
+            from refit import nccl
+
+            dev_t = tensor.contiguous().to(self.device)
+            s = self._stream(stream)
+            self._nccl.broadcast(dev_t.data_ptr(), dev_t.numel() * dev_t.element_size(), src, s.cuda_stream,
+                                 deadline=self._deadline)
+            ev = torch.cuda.Event()
+            ev.record(s)
+            self.wait(nccl.NcclWork(ev, self._nccl, f"rank {self.rank}: broadcast", keep=dev_t))
+            tensor.copy_(dev_t.cpu())
             return
         self._check("broadcast")
         opts = dist.BroadcastOptions()

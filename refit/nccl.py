@@ -214,7 +214,7 @@ def _uid_from_bytes(raw: bytes) -> UniqueId:
 
 def poll_until(done: Callable[[], bool], *, deadline: float | None, aborted: threading.Event,
                what: str) -> None:
-    """Spin on ``done()`` briefly, then back off to sub-millisecond sleeps.
+    """Spin on ``done()`` briefly, then poll every 0.2 ms at most.
 
     Raises ``NcclAborted`` as soon as ``aborted`` is set and ``NcclTimeout`` at ``deadline``
     (a ``time.monotonic()`` value).
@@ -232,7 +232,7 @@ def poll_until(done: Callable[[], bool], *, deadline: float | None, aborted: thr
         if spins < 2000:
             time.sleep(0)
         else:
-            sleep = min(2e-4 if sleep == 0 else sleep * 1.5, 2e-3)
+            sleep = min(5e-5 if sleep == 0 else sleep * 1.5, 2e-4)  # <= 0.2 ms late on a long wait
             time.sleep(sleep)
 
 
@@ -248,7 +248,7 @@ class NcclComm:
         self.lib = lib
         self._aborted = aborted  # shared with the owning group: its abort wakes our pollers
         self._lock = threading.RLock()
-        self._in_group = False
+        self.connected: set[int] = set()  # peers whose p2p connections are open (see connect_peers)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -372,10 +372,9 @@ class NcclComm:
     def abort(self) -> None:
         """``ncclCommAbort``: terminates in-flight kernels whether or not the peers are alive.
 
-        The caller sets the shared abort flag first, so pollers stop touching the handle
-        and release the lock within a poll turn.
+        The owning group sets its abort flag first, so its pollers stop within a poll turn;
+        the handle is cleared under the lock, so no thread can call NCCL on it afterwards.
         """
-        self._aborted.set()
         with self._lock:
             handle, self.handle = self.handle, None
         if handle is not None:

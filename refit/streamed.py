@@ -57,6 +57,34 @@ def _op_view(buf: torch.Tensor, op, offset: int) -> torch.Tensor:
     return buf[offset: offset + op.nbytes].view(dtype_from_name(op.wire_dtype)).view(op.box.shape)
 
 
+def _contiguous(shape, strides) -> bool:
+    """torch's rule: every dim of size > 1 has the stride of a C-contiguous layout."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def direct_ptr(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> int | None:
+    """Device address of the bucket's block in the tensor itself, when it can go on the wire
+    as is (one block, wire dtype, contiguous): arithmetic only, no tensor views."""
+    if len(bucket.ops) != 1:
+        return None
+    op = bucket.ops[0]
+    t = tensors[op.name]
+    if t.dtype != dtype_from_name(op.wire_dtype):
+        return None
+    strides = t.stride()
+    if not _contiguous(op.box.shape, strides):
+        return None
+    start = op.box.src_start if side == "src" else op.box.dst_start
+    return t.data_ptr() + t.element_size() * sum(a * st for a, st in zip(start, strides))
+
+
 def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> torch.Tensor | None:
     """The tensor region itself as bytes, when the bucket is one block needing no cast or gather."""
     if len(bucket.ops) != 1:
@@ -101,7 +129,10 @@ def _streams_for(device: torch.device) -> tuple:
     with _STREAMS_LOCK:
         s = _STREAMS.get(device.index)
         if s is None:
-            s = _STREAMS[device.index] = tuple(torch.cuda.Stream(device=device) for _ in range(3))
+            # the comm stream gets the highest priority: its NCCL kernels are then dispatched
+            # ahead of pending pack/unpack copy blocks instead of queueing behind them
+            s = _STREAMS[device.index] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device, priority=-8),
+                                          torch.cuda.Stream(device=device))
         return s
 
 
@@ -176,6 +207,7 @@ class _Slot:
     start: int
     end: int
     fence: Fence | None = None  # its last reader; set once that reader is queued
+    run: int = 0  # which run allocated it
 
 
 class StagingArena:
@@ -193,16 +225,27 @@ class StagingArena:
         self.buf: torch.Tensor | None = None
         self.capacity = 0
         self._live: deque[_Slot] = deque()
-        self.in_use = 0
-        self.peak = 0
+        self.in_use = 0  # bytes of live slots (this run's and earlier runs' not yet reclaimed)
+        self.peak = 0  # most bytes this run's slots held at once
+        self._run = 0
+        self._run_in_use = 0
 
     def reset_peak(self) -> None:
-        self.peak = self.in_use
+        """Start a new run: ``peak`` counts its slots only (older ones are reclaimable)."""
+        self._run += 1
+        self._run_in_use = 0
+        self.peak = 0
+
+    def _reclaim(self, slot: _Slot) -> None:
+        self.in_use -= slot.end - slot.start
+        if slot.run == self._run:
+            self._run_in_use -= slot.end - slot.start
 
     def _drain(self, lanes: Lanes) -> None:
         while self._live:
             s = self._live.popleft()
             lanes.host_wait(s.fence, "staging release")
+            self._reclaim(s)
         self.in_use = 0
 
     def ensure(self, nbytes: int, lanes: Lanes) -> None:
@@ -221,7 +264,7 @@ class StagingArena:
         elif self.device.type == "cuda" and self.buf is not None:
             torch.cuda.synchronize(self.device)
         self._live.clear()
-        self.in_use = 0
+        self.in_use = self._run_in_use = 0
         self.buf = None
         self.capacity = 0
 
@@ -253,11 +296,12 @@ class StagingArena:
                     "(raise staging_budget_bytes or lower bucket_bytes / group_bytes)")
             for lane in ("pack", "comm"):
                 lanes.wait(lane, old.fence)
-            self.in_use -= old.end - old.start
-        slot = _Slot(start, start + n)
+            self._reclaim(old)
+        slot = _Slot(start, start + n, run=self._run)
         self._live.append(slot)
         self.in_use += n
-        self.peak = max(self.peak, self.in_use)
+        self._run_in_use += n
+        self.peak = max(self.peak, self._run_in_use)
         return self.buf[start: start + nbytes], slot
 
 
@@ -306,7 +350,8 @@ class StreamedExecutor:
 
     def __init__(self, plan: RankPlan, comm, *, device: torch.device, verify: bool = False,
                  corrupt: Callable | None = None, staging_budget_bytes: int | None = None,
-                 group_bytes: int | None = None, sync: bool = True, arena: StagingArena | None = None):
+                 group_bytes: int | None = None, sync: bool = True, arena: StagingArena | None = None,
+                 timing: bool = False):
         self.plan = plan
         self.comm = comm
         self.device = device
@@ -316,6 +361,7 @@ class StreamedExecutor:
         self.group_bytes = DEFAULT_GROUP_BYTES if group_bytes is None else int(group_bytes)
         self.sync = sync
         self.arena = arena
+        self.timing = timing
         self._send_by_round: dict[int, list[Bucket]] = {}
         self._recv_by_round: dict[int, list[Bucket]] = {}
         for b in sorted(plan.sends, key=lambda b: (b.index, b.peer)):
@@ -324,11 +370,13 @@ class StreamedExecutor:
             self._recv_by_round.setdefault(b.index, []).append(b)
 
     # -- planning the windows -------------------------------------------------------------------
-    def _classify(self, src, dst):
+    def _classify(self, src, dst, raw: bool):
+        """Per bucket: its direct address (``raw``) or view in the tensor itself, or None to stage."""
+        fn = direct_ptr if raw else direct_view
         send_direct = {}
         for b in self.plan.sends:
-            send_direct[(b.peer, b.index)] = None if self._corrupt is not None else direct_view(b, src, "src")
-        recv_direct = {(b.peer, b.index): direct_view(b, dst, "dst") for b in self.plan.recvs}
+            send_direct[(b.peer, b.index)] = None if self._corrupt is not None else fn(b, src, "src")
+        recv_direct = {(b.peer, b.index): fn(b, dst, "dst") for b in self.plan.recvs}
         return send_direct, recv_direct
 
     def _windows(self, send_direct, recv_direct, capacity: int) -> list[_Window]:
@@ -373,7 +421,9 @@ class StreamedExecutor:
         stats = TransferStats()
         t0 = time.perf_counter()
         lanes = Lanes(self.device, self.comm)
-        send_direct, recv_direct = self._classify(src, dst)
+        # raw: hand NCCL addresses and sizes, no tensor views (refit's own NCCL communicator)
+        raw = lanes.cuda and getattr(self.comm, "nccl_comm", None) is not None
+        send_direct, recv_direct = self._classify(src, dst, raw)
         need, total = self._round_need(send_direct, recv_direct)
         if need > self.budget:
             raise TransportError(
@@ -390,6 +440,13 @@ class StreamedExecutor:
         stats.zero_copy_buckets = sum(v is not None for v in send_direct.values())
         stats.zero_copy_buckets += sum(v is not None for v in recv_direct.values())
 
+        if raw:
+            self.comm.connect_peers(self.plan.peers())
+        marks = {}
+        if self.timing and lanes.cuda:  # CUDA events: caller's stream at start, comm lane around the groups
+            marks = {k: torch.cuda.Event(enable_timing=True) for k in ("begin", "first_group", "last_group")}
+            marks["begin"].record(lanes.current)
+        stats.timing["setup_s"] = time.perf_counter() - t0
         lanes.begin()
         with lanes.on("unpack"):
             self._local_copies(src, dst, stats)
@@ -405,7 +462,9 @@ class StreamedExecutor:
                         view, slot = arena.alloc(b.nbytes, lanes)
                         recv_slots.append(slot)
                         unpacks.append((b, view))
-                    recv_ops.append((view, b.peer))
+                        if raw:
+                            view = view.data_ptr()
+                    recv_ops.append((view, b.nbytes, b.peer) if raw else (view, b.peer))
                     stats.bytes_received += b.nbytes
                     stats.buckets_received += 1
                 for b in self._send_by_round.get(r, []):
@@ -414,7 +473,9 @@ class StreamedExecutor:
                         view, slot = arena.alloc(b.nbytes, lanes)
                         send_slots.append(slot)
                         staged_sends.append((b, view))
-                    send_ops.append((view, b.peer))
+                        if raw:
+                            view = view.data_ptr()
+                    send_ops.append((view, b.nbytes, b.peer) if raw else (view, b.peer))
                     stats.bytes_sent += b.nbytes
                     stats.buckets_sent += 1
                 per_round.append((r, recv_ops, send_ops))
@@ -426,11 +487,18 @@ class StreamedExecutor:
                             self._corrupt(b, view)
                 lanes.wait("comm", lanes.record("pack"))
             works: list[Any] = []
+            if stats.groups == 0:
+                if marks:
+                    marks["first_group"].record(lanes.comm_s)
+                stats.timing["first_group_queued_s"] = time.perf_counter() - t0
             with lanes.on("comm"):
                 if lanes.cuda:  # one NCCL group for the whole window
                     recv_all = [op for _, rv, _ in per_round for op in rv]
                     send_all = [op for _, _, sd in per_round for op in sd]
-                    works += self.comm.p2p_group(recv_all, send_all, stream=lanes.comm_s)
+                    if raw:
+                        self.comm.p2p_group_raw(recv_all, send_all, stream=lanes.comm_s)
+                    else:
+                        works += self.comm.p2p_group(recv_all, send_all, stream=lanes.comm_s)
                 else:  # gloo: tag each round, so pairs never mix up messages
                     for r, rv, sd in per_round:
                         works += self.comm.p2p_group(rv, sd, tag=r)
@@ -449,6 +517,10 @@ class StreamedExecutor:
                 last_unpack = lanes.record("unpack")
                 for s_ in recv_slots:
                     s_.fence = last_unpack
+        if marks:
+            marks["last_group"].record(lanes.comm_s)
+            stats.timing["events"] = marks
+        stats.timing["enqueue_s"] = time.perf_counter() - t0
         local_fence = lanes.record("unpack") if self.plan.local else None
         finals = host_fences + [f for f in (last_comm, last_unpack, local_fence) if f is not None]
         lanes.join(finals)

@@ -39,6 +39,7 @@ class TransferStats:
     seconds: float = 0.0
     staging_capacity_bytes: int = 0  # staging memory held (streamed path: the arena, <= its budget)
     groups: int = 0  # streamed path: NCCL groups (windows of rounds) issued
+    timing: dict = field(default_factory=dict)  # streamed path with timing=True: host and CUDA-event marks
     checksums_sent: dict[tuple[int, int], int] = field(default_factory=dict)
     checksums_received: dict[tuple[int, int], int] = field(default_factory=dict)
 
@@ -65,6 +66,21 @@ def _direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str)
     return _flat_bytes(view)
 
 
+def pack_bucket(b: Bucket, src: Mapping[str, torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+    """Copy (and cast) the bucket's source blocks into the flat byte buffer ``buf``."""
+    if b.nbytes != b.payload_bytes:
+        buf.zero_()  # alignment padding: keep checksums deterministic
+    for op, off in zip(b.ops, b.offsets):
+        _op_view(buf, op, off).copy_(src[op.name][op.box.src_slices()])
+    return buf
+
+
+def unpack_bucket(b: Bucket, buf: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:
+    """Copy (and cast) the bucket's blocks from the flat byte buffer ``buf`` into their destinations."""
+    for op, off in zip(b.ops, b.offsets):
+        dst[op.name][op.box.dst_slices()].copy_(_op_view(buf, op, off))
+
+
 def checksum(buf: torch.Tensor) -> int:
     """A cheap order-sensitive checksum of a byte buffer (position-weighted sum of int32 words).
 
@@ -85,7 +101,7 @@ class PlanExecutor:
     def __init__(self, plan: RankPlan, comm: Communicator, *, depth: int = 2, device: torch.device | None = None,
                  verify: bool = False, corrupt: Callable[[Bucket, torch.Tensor], None] | None = None,
                  pipeline: str = "auto", staging_budget_bytes: int | None = None, group_bytes: int | None = None,
-                 sync: bool = True):
+                 sync: bool = True, timing: bool = False):
         """``pipeline``: ``"rounds"`` (this class's host-driven rounds), ``"streamed"`` (the
         CUDA-stream pipeline of ``refit.streamed``, bounded by ``staging_budget_bytes``; on CPU
         tensors it runs on the host), or ``"auto"``: streamed for CUDA tensors on a
@@ -99,6 +115,7 @@ class PlanExecutor:
         self.staging_budget_bytes = staging_budget_bytes
         self.group_bytes = group_bytes
         self.sync = sync
+        self.timing = timing
         self.plan = plan
         self.comm = comm
         self.depth = depth
@@ -130,6 +147,7 @@ class PlanExecutor:
             return StreamedExecutor(
                 self.plan, self.comm, device=device, verify=self.verify, corrupt=self._corrupt,
                 staging_budget_bytes=self.staging_budget_bytes, group_bytes=self.group_bytes, sync=self.sync,
+                timing=self.timing,
             ).run(src, dst)
         stats = TransferStats()
         t0 = time.perf_counter()
@@ -188,12 +206,7 @@ class PlanExecutor:
         return stats
 
     def _pack(self, b: Bucket, src: Mapping[str, torch.Tensor], device) -> torch.Tensor:
-        buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-        if b.nbytes != b.payload_bytes:
-            buf.zero_()  # alignment padding: keep checksums deterministic
-        for op, off in zip(b.ops, b.offsets):
-            _op_view(buf, op, off).copy_(src[op.name][op.box.src_slices()])
-        return buf
+        return pack_bucket(b, src, torch.empty(b.nbytes, dtype=torch.uint8, device=device))
 
     def _finish(self, round_works, dst: Mapping[str, torch.Tensor], stats: TransferStats) -> int:
         recvs, sends = round_works
@@ -203,8 +216,7 @@ class PlanExecutor:
             if self.verify:
                 stats.checksums_received[(b.peer, b.index)] = checksum(buf)
             if not direct:
-                for op, off in zip(b.ops, b.offsets):
-                    dst[op.name][op.box.dst_slices()].copy_(_op_view(buf, op, off))
+                unpack_bucket(b, buf, dst)
                 freed += b.nbytes
             stats.bytes_received += b.nbytes
             stats.buckets_received += 1

@@ -1,0 +1,754 @@
+"""``refit bench --device cuda``: an 8B model refit between two GPUs, against raw NCCL and broadcasts.
+
+Two processes, one GPU each, joined by a ``StatelessProcessGroup(backend="nccl")``. Rank 0
+is the trainer: Llama-3-8B's tensors in Hugging Face layout (separate q/k/v and gate/up,
+bf16, about 16 GB, 291 tensors). Rank 1 is the engine: the same weights in vLLM's fused
+layout (``qkv_proj``, ``gate_up_proj``), each HF tensor a view of its fused parameter, so
+bytes land in place. In the same run it measures:
+
+* **refit**: the plan executed by the streamed NCCL transport (steady state, back to back);
+* **raw NCCL**: one ``ncclSend``/``ncclRecv`` of one flat buffer of the same bytes;
+* **per-tensor broadcast**: one NCCL broadcast per tensor into a fresh buffer, then the
+  engine's copy into its fused parameter (the loop most RL frameworks run), both as a
+  pure stream-ordered loop and with the per-tensor metadata handshake frameworks do;
+* **xferdtensor_golden** per tensor;
+* **fp32 -> bf16**: an fp32 trainer copy, cast while packing;
+* **hygiene**: 50 refits, staging peak and GPU memory before / after;
+* **abort**: how fast ``abort()`` releases a rank blocked in an NCCL receive;
+* **IPC pull** (experimental): the engine maps the trainer's tensors over CUDA IPC and pulls
+  them with copy engines, the same-host path that can beat NCCL.
+
+Every destination tensor is checked bit for bit after the refits (and the golden run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+from refit.comm import free_port
+from refit.launch import LocalFleet
+
+GB = 1e9
+MIB = 1 << 20
+
+
+# -- a fleet of GPU processes ------------------------------------------------------------------
+
+def rebuild_group(group, port: int, peer: str | None = None, init_timeout_s: float = 60.0):
+    """Special job for ``DeviceFleet.rebuild``: abort this rank's group and join a new one."""
+    from refit.comm import StatelessProcessGroup
+
+    if group is not None:
+        group.abort()
+    return StatelessProcessGroup("127.0.0.1", port, group.rank, group.world_size, backend="nccl",
+                                 device=group.device, peer=peer or group.peer, timeout_s=120,
+                                 init_timeout_s=init_timeout_s)
+
+
+def _device_worker(rank: int, world_size: int, port: int, conn, peer: str, init_timeout_s: float) -> None:
+    import torch
+
+    from refit.comm import StatelessProcessGroup
+
+    dev = rank % max(torch.cuda.device_count(), 1)
+    torch.cuda.set_device(dev)
+    state = {}
+    try:
+        state["group"] = StatelessProcessGroup("127.0.0.1", port, rank, world_size, backend="nccl", device=dev,
+                                               peer=peer, timeout_s=120, init_timeout_s=init_timeout_s)
+    except BaseException as e:  # noqa: BLE001 - reported on the first request
+        state["error"] = (type(e).__name__, traceback.format_exc())
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            fn, args, kwargs = msg
+            if "error" in state:
+                conn.send(("err", state["error"]))
+                continue
+            try:
+                if fn is rebuild_group:
+                    state["group"] = fn(state["group"], *args, **kwargs)
+                    conn.send(("ok", os.getpid()))
+                else:
+                    conn.send(("ok", fn(state["group"], *args, **kwargs)))
+            except BaseException as e:  # noqa: BLE001
+                conn.send(("err", (type(e).__name__, traceback.format_exc())))
+    finally:
+        if "group" in state:
+            state["group"].abort()
+        conn.close()
+
+
+class DeviceFleet(LocalFleet):
+    """``LocalFleet`` with one GPU per process and NCCL groups (``peer`` protocol)."""
+
+    def __init__(self, world_size: int = 2, *, peer: str = "nemo", init_timeout_s: float = 60.0,
+                 start_timeout_s: float = 300.0):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns, self._procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_device_worker, args=(rank, world_size, port, child, peer, init_timeout_s),
+                            daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self.run(_ready, timeout_s=start_timeout_s)
+
+    def rebuild(self, peer: str | None = None, timeout_s: float = 120.0) -> None:
+        """Every rank aborts its group and joins a new one on a fresh port."""
+        self.run(rebuild_group, free_port(), peer, timeout_s=timeout_s)
+
+
+def _ready(group) -> int:
+    return os.getpid()
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256)
+
+
+def hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a Llama checkpoint in Hugging Face naming."""
+    h, q, kv, it, v = cfg["hidden"], cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], \
+        cfg["inter"], cfg["vocab"]
+    out = [("model.embed_tokens.weight", (v, h))]
+    for i in range(cfg["layers"]):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (it, h)),
+            (p + "mlp.up_proj.weight", (it, h)),
+            (p + "mlp.down_proj.weight", (h, it)),
+        ]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    return out
+
+
+def fused_engine(cfg: dict, dtype, device) -> tuple[dict, dict]:
+    """vLLM-style parameters (fused qkv_proj / gate_up_proj) and, per HF name, a view into them."""
+    import torch
+
+    params, views = {}, {}
+    q, kv, it = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], cfg["inter"]
+    for name, shape in hf_tensors(cfg):
+        if ".self_attn.q_proj." in name:
+            base = name.replace("q_proj", "qkv_proj")
+            fused = params[base] = torch.empty((q + 2 * kv, cfg["hidden"]), dtype=dtype, device=device)
+            views[name] = fused[0:q]
+            views[name.replace("q_proj", "k_proj")] = fused[q:q + kv]
+            views[name.replace("q_proj", "v_proj")] = fused[q + kv:q + 2 * kv]
+        elif ".mlp.gate_proj." in name:
+            base = name.replace("gate_proj", "gate_up_proj")
+            fused = params[base] = torch.empty((2 * it, cfg["hidden"]), dtype=dtype, device=device)
+            views[name] = fused[0:it]
+            views[name.replace("gate_proj", "up_proj")] = fused[it:2 * it]
+        elif any(k in name for k in (".k_proj.", ".v_proj.", ".up_proj.")):
+            continue
+        else:
+            params[name] = views[name] = torch.empty(shape, dtype=dtype, device=device)
+    return params, views
+
+
+def fill_pattern(t, seed: int, chunk: int = 1 << 26) -> None:
+    """Deterministic, position-dependent values, identical on any device (integer hashing)."""
+    import torch
+
+    flat = t.view(-1)
+    for a in range(0, flat.numel(), chunk):
+        b = min(a + chunk, flat.numel())
+        idx = torch.arange(a, b, dtype=torch.int64, device=t.device)
+        v = ((idx * 2654435761 + seed * 97531) >> 5) % 8191
+        flat[a:b].copy_((v.to(torch.float32) - 4095.0) / 1024.0)
+
+
+def expected(shape, seed: int, src_dtype, dst_dtype, device):
+    import torch
+
+    t = torch.empty(shape, dtype=src_dtype, device=device)
+    fill_pattern(t, seed)
+    return t.to(dst_dtype)
+
+
+# -- per-rank benchmark ---------------------------------------------------------------------------
+
+def _device(group):
+    import torch
+
+    return group.device if getattr(group, "device", None) is not None else torch.device("cpu")
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _allocated(dev) -> int:
+    import torch
+
+    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+
+
+def _sync_barrier(group) -> None:
+    _sync(_device(group))
+    group.barrier()
+
+
+def _make_plan(group, cfg, src, dst, bucket_bytes: int, direct_bytes: int | None = None):
+    from refit import Replicate
+    from refit.plan import RosterEntry, build_rank_plan, merge_rosters
+    from refit.layout import dtype_name
+
+    mine = [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [0], [Replicate()], "src") for n, t in src.items()]
+    mine += [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [1], [Replicate()], "dst") for n, t in dst.items()]
+    gathered = group.all_gather_object(mine)
+    index = merge_rosters(dict(enumerate(gathered)), group.world_size)
+    kwargs = {"bucket_bytes": bucket_bytes}
+    if direct_bytes is not None:
+        import inspect
+
+        if "direct_bytes" not in inspect.signature(build_rank_plan).parameters:
+            return None, index
+        kwargs["direct_bytes"] = direct_bytes
+    t0 = time.perf_counter()
+    plan = build_rank_plan(index, group.rank, **kwargs)
+    plan.build_s = time.perf_counter() - t0
+    return plan, index
+
+
+def _repack(plan, direct_bytes: int, bucket_bytes: int):
+    """The same ops cut into buckets with another direct threshold (both ends do the same)."""
+    from refit.plan import RankPlan, pack_buckets
+
+    def cut(ops):
+        by_peer = {}
+        for op in ops:
+            by_peer.setdefault(op.dst if op.src == plan.rank else op.src, []).append(op)
+        out = [b for p, o in by_peer.items() for b in pack_buckets(o, p, bucket_bytes, direct_bytes)]
+        return sorted(out, key=lambda b: (b.index, b.peer))
+
+    new = RankPlan(plan.rank, plan.world_size, bucket_bytes, plan.key + ("repack", direct_bytes, bucket_bytes))
+    new.sends, new.recvs, new.local = cut(plan.send_ops()), cut(plan.recv_ops()), list(plan.local)
+    return new
+
+
+def _breakdown(group, plan, src, dst, kw, n: int = 3) -> dict:
+    """Where one synced refit's time goes: host setup / first group queued / all queued, and on
+    the GPU: idle before the first NCCL group, first group start to last group end."""
+    from refit.transport import PlanExecutor
+
+    dev = _device(group)
+    rows = []
+    for _ in range(n):
+        _sync_barrier(group)
+        t = time.perf_counter()
+        st = PlanExecutor(plan, group, pipeline="streamed", timing=True, **kw).run(src, dst)
+        _sync(dev)
+        total = time.perf_counter() - t
+        row = {"total_s": total, **{k: v for k, v in st.timing.items() if k != "events"}}
+        ev = st.timing.get("events")
+        if ev:
+            row["gpu_idle_before_first_group_s"] = ev["begin"].elapsed_time(ev["first_group"]) / 1e3
+            row["gpu_groups_s"] = ev["first_group"].elapsed_time(ev["last_group"]) / 1e3
+        rows.append(row)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def _timed_loop(group, fn, iters: int, warmup: int = 2, singles: int = 3) -> dict:
+    """Back-to-back iterations (no host sync between them), then ``singles`` synced ones:
+    seconds per iteration on this rank."""
+    dev = _device(group)
+    for _ in range(warmup):
+        fn()
+    _sync_barrier(group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(dev)
+    steady = (time.perf_counter() - t0) / iters
+    times = []
+    for _ in range(singles):
+        _sync_barrier(group)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    return {"steady_s": steady, "single_s": statistics.median(times) if times else steady}
+
+
+def _verify(group, cfg, views, seed, src_dtype) -> tuple[bool, list[str]]:
+    import torch
+
+    bad = []
+    if group.rank != 1:
+        return True, bad
+    for i, (name, shape) in enumerate(hf_tensors(cfg)):
+        want = expected(shape, seed + i, src_dtype, views[name].dtype, views[name].device)
+        if not torch.equal(views[name], want):
+            bad.append(name)
+    return not bad, bad[:5]
+
+
+def _bench_rank(group, cfg: dict) -> dict:
+    import torch
+
+    from refit.streamed import release_staging
+    from refit.transport import PlanExecutor
+    from refit.xfer import xferdtensor_golden
+    from refit import DTensorRef, Replicate
+
+    dev = _device(group)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    model = dict(LLAMA3_8B, **cfg.get("model", {}))
+    model["layers"] = cfg["layers"]
+    names = hf_tensors(model)
+    out: dict[str, Any] = {"rank": group.rank,
+                           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    bf16, fp32 = torch.bfloat16, torch.float32
+    src, dst, params = {}, {}, {}
+    if group.rank == 0:
+        for i, (n, shape) in enumerate(names):
+            src[n] = torch.empty(shape, dtype=bf16, device=dev)
+            fill_pattern(src[n], cfg["seed"] + i)
+    else:
+        params, dst = fused_engine(model, bf16, dev)
+    total = sum(math.prod(s) for _, s in names) * 2
+    out["bytes"] = total
+    out["tensors"] = len(names)
+    out["fused_params"] = len(params)
+    _sync(dev)
+
+    def refit_runner(plan, s, d, **kw):
+        ex = PlanExecutor(plan, group, pipeline="streamed", **kw)
+        return lambda: ex.run(s, d)
+
+    # --- refit, main configuration, verified
+    budget = cfg["staging_mib"] * MIB
+    plan, index = _make_plan(group, cfg, src, dst, cfg["bucket_mib"] * MIB)
+    out["plan"] = {"build_s": plan.build_s, "rounds": plan.num_rounds, "sends": len(plan.sends),
+                   "recvs": len(plan.recvs), "direct": sum(len(b.ops) == 1 for b in plan.sends + plan.recvs)}
+    kw = dict(staging_budget_bytes=budget, group_bytes=cfg["group_mib"] * MIB)
+    for d in dst.values():
+        d.fill_(float("nan"))
+    st = PlanExecutor(plan, group, pipeline="streamed", **kw).run(src, dst)
+    out["refit_first_s"] = st.seconds
+    out["refit_groups"] = st.groups
+    out["refit_zero_copy"] = st.zero_copy_buckets
+    out["verify_refit"] = _verify(group, model, dst, cfg["seed"], bf16)
+    out["refit"] = _timed_loop(group, refit_runner(plan, src, dst, sync=False, **kw), cfg["iters"])
+    # fresh data, poisoned destination, one more verified refit
+    if group.rank == 0:
+        for i, (n, _) in enumerate(names):
+            fill_pattern(src[n], cfg["seed"] + 7 + i)
+    for d in dst.values():
+        d.fill_(float("nan"))
+    _sync_barrier(group)
+    PlanExecutor(plan, group, pipeline="streamed", **kw).run(src, dst)
+    out["verify_refit_fresh"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+
+    out["refit_breakdown"] = _breakdown(group, plan, src, dst, kw)
+
+    # --- raw NCCL: one flat buffer of the same bytes
+    bufs = {"flat": torch.empty(total, dtype=torch.uint8, device=dev)}
+
+    def raw():
+        flat = bufs["flat"]
+        works = group.p2p_group([], [(flat, 1)]) if group.rank == 0 else group.p2p_group([(flat, 0)], [])
+        for w in works:  # gloo only: NCCL work is ordered on the stream
+            group.wait(w)
+
+    out["raw"] = _timed_loop(group, raw, cfg["iters"])
+    bufs.clear()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # --- sweep of bucket and group sizes (and all-packed plans when the planner offers it)
+    sweep = []
+    if cfg["sweep"]:
+        variants = [(1024, g, None) for g in (64, 256, 4096, 1 << 20)] + [(128, 1024, None)]
+        variants += [(256, 1024, 1 << 62), (1024, 4096, 1 << 62)]  # everything packed, if the planner can
+        for b_mib, g_mib, direct in variants:
+            p, _ = _make_plan(group, cfg, src, dst, b_mib * MIB, direct)
+            if p is None:
+                continue
+            res = _timed_loop(group, refit_runner(p, src, dst, sync=False, staging_budget_bytes=budget,
+                                                  group_bytes=g_mib * MIB), max(3, cfg["iters"] // 2))
+            sweep.append({"bucket_mib": b_mib, "group_mib": g_mib, "packed": direct is not None,
+                          "rounds": p.num_rounds, **res})
+        # fewer, larger NCCL ops: blocks under the threshold are packed (copies overlap the wire)
+        for direct_mib, b_mib in ((16, 512), (64, 512), (1 << 20, 512), (1 << 20, 1024)):
+            p = _repack(plan, direct_mib * MIB, b_mib * MIB)
+            res = _timed_loop(group, refit_runner(p, src, dst, sync=False, staging_budget_bytes=budget,
+                                                  group_bytes=cfg["group_mib"] * MIB), max(3, cfg["iters"] // 2))
+            sweep.append({"bucket_mib": b_mib, "group_mib": cfg["group_mib"], "packed": f"<{direct_mib}MiB",
+                          "rounds": p.num_rounds, "ops": len(p.sends) + len(p.recvs), **res})
+        for d in dst.values():  # the last (all-packed) variant lands the same bytes
+            d.fill_(float("nan"))
+        PlanExecutor(p, group, pipeline="streamed", staging_budget_bytes=budget).run(src, dst)
+        out["verify_repacked"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+    out["sweep"] = sweep
+
+    # --- per-tensor broadcast baselines
+    def bcast_loop(handshake: bool):
+        def fn():
+            for n, shape in names:
+                if handshake:  # the engine learns name/dtype/shape per tensor (an RPC in real frameworks)
+                    meta = group.broadcast_object((n, "bfloat16", shape) if group.rank == 0 else None, src=0)
+                    assert meta[0] == n
+                if group.rank == 0:
+                    group.broadcast(src[n], 0)
+                else:
+                    tmp = torch.empty(shape, dtype=bf16, device=dev)
+                    group.broadcast(tmp, 0)
+                    dst[n].copy_(tmp)  # load_weights into the fused parameter
+        return fn
+
+    out["bcast"] = _timed_loop(group, bcast_loop(False), max(2, cfg["iters"] // 3), warmup=1)
+    out["verify_bcast"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+    out["bcast_handshake"] = _timed_loop(group, bcast_loop(True), 1, warmup=1, singles=0)
+
+    # --- xferdtensor_golden, per tensor
+    def golden():
+        for n, shape in names:
+            s = DTensorRef(src[n], shape) if group.rank == 0 else None
+            d = DTensorRef(dst[n], shape) if group.rank == 1 else None
+            xferdtensor_golden(s, [0], [Replicate()], d, [1], [Replicate()], group)
+
+    for d in dst.values():
+        d.fill_(float("nan"))
+    out["golden"] = _timed_loop(group, golden, 1, warmup=1, singles=0)
+    out["verify_golden"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+
+    # --- hygiene: 50 refits, staging bounded and GPU memory flat
+    def hygiene(plan_, src_, dst_, n):
+        _sync(dev)
+        base = _allocated(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        peaks, allocs = [], []
+        for _ in range(n):
+            s_ = PlanExecutor(plan_, group, pipeline="streamed", **kw).run(src_, dst_)
+            peaks.append(s_.peak_staging_bytes)
+            allocs.append(_allocated(dev))
+        peak_alloc = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else 0
+        return {"refits": n, "peak_staging_bytes": max(peaks), "capacity": s_.staging_capacity_bytes,
+                "budget": budget, "alloc_first": allocs[0] - base, "alloc_last": allocs[-1] - base,
+                "max_allocated_over_base": peak_alloc}
+
+    out["hygiene_bf16"] = hygiene(plan, src, dst, cfg["refits"])
+
+    # --- experimental: the engine pulls over CUDA IPC with copy engines (same host only)
+    if cfg["ipc"] and dev.type == "cuda":
+        try:
+            for d in dst.values():
+                d.fill_(float("nan"))
+            out["ipc"] = _ipc_pull(group, src, dst, names, cfg)
+            ok, bad = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+            out["ipc"]["verified"] = ok if group.rank == 1 else None
+        except Exception as e:  # noqa: BLE001 - an experiment must not sink the benchmark
+            out["ipc"] = {"error": f"{type(e).__name__}: {e}"}
+
+    # --- fp32 -> bf16 (cast while packing)
+    if cfg["fp32"]:
+        src32 = {}
+        if group.rank == 0:
+            for i, (n, shape) in enumerate(names):
+                src32[n] = torch.empty(shape, dtype=fp32, device=dev)
+                fill_pattern(src32[n], cfg["seed"] + 11 + i)
+            src.clear()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        plan32, _ = _make_plan(group, cfg, src32, dst, cfg["bucket32_mib"] * MIB)
+        for d in dst.values():
+            d.fill_(float("nan"))
+        st = PlanExecutor(plan32, group, pipeline="streamed", **kw).run(src32, dst)
+        out["verify_fp32"] = _verify(group, model, dst, cfg["seed"] + 11, fp32)
+        out["fp32"] = _timed_loop(group, refit_runner(plan32, src32, dst, sync=False, **kw), cfg["iters"])
+        out["fp32_rounds"] = plan32.num_rounds
+        out["fp32_breakdown"] = _breakdown(group, plan32, src32, dst, kw)
+        out["hygiene_fp32"] = hygiene(plan32, src32, dst, cfg["refits"])
+        out["fp32_sweep"] = []
+        if cfg["sweep"]:
+            for b_mib, budget_mib, g_mib in ((256, 1024, 1024), (1024, 4096, 2048), (512, 1024, 1024)):
+                p32, _ = _make_plan(group, cfg, src32, dst, b_mib * MIB)
+                res = _timed_loop(group, refit_runner(p32, src32, dst, sync=False, staging_budget_bytes=budget_mib * MIB,
+                                                      group_bytes=g_mib * MIB), max(3, cfg["iters"] // 2))
+                out["fp32_sweep"].append({"bucket_mib": b_mib, "staging_mib": budget_mib, "group_mib": g_mib, **res})
+        src = src32
+
+    release_staging(dev)
+    return out
+
+
+def _ipc_pull(group, src, dst, names, cfg) -> dict:
+    """Rank 1 maps rank 0's tensors (CUDA IPC) and copies them into its views with copy engines."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    dev = group.device
+    handles = group.broadcast_object({n: reduce_tensor(t) for n, t in src.items()} if group.rank == 0 else None, 0)
+    out = {}
+    if group.rank == 1:
+        mapped = {n: fn(*args) for n, (fn, args) in handles.items()}
+        same_dtype = all(mapped[n].dtype == dst[n].dtype for n, _ in names)
+        out["same_dtype"] = same_dtype
+        stream = torch.cuda.Stream(device=dev)
+
+        def pull():
+            with torch.cuda.stream(stream):
+                for n, _ in names:
+                    dst[n].copy_(mapped[n], non_blocking=True)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+    else:
+        def pull():
+            pass
+
+    def step():  # one refit: the trainer's weights are final (barrier), the engine pulls, then both go on
+        group.barrier()
+        pull()
+        torch.cuda.synchronize()
+        group.barrier()
+
+    res = _timed_loop(group, step, max(3, cfg["iters"] // 2), warmup=1)
+    out.update(res)
+    if group.rank == 1:  # the copies alone, without the two handshakes of a refit
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            pull()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out["pull_only_s"] = statistics.median(times)
+    if group.rank == 1:
+        mapped.clear()
+    group.barrier()
+    return out
+
+
+def _abort_probe(group, delay_s: float = 0.3) -> dict:
+    """Rank 1 blocks in an NCCL receive rank 0 never sends; a thread aborts the group."""
+    import threading
+
+    import torch
+
+    from refit.comm import GroupAborted
+
+    # NCCL connects p2p lazily: exchange a few bytes first, so the recv below is a running kernel
+    peer = 1 - group.rank
+    a_ = torch.ones(16, dtype=torch.uint8, device=group.device)
+    b_ = torch.empty(16, dtype=torch.uint8, device=group.device)
+    group.p2p_group([(b_, peer)], [(a_, peer)])
+    torch.cuda.synchronize()
+    group.barrier()
+    if group.rank == 0:
+        time.sleep(delay_s + 3.0)
+        group.abort()
+        return {}
+    buf = torch.empty(1 << 20, dtype=torch.uint8, device=group.device)
+    fired = {}
+
+    def aborter():
+        time.sleep(delay_s)
+        fired["t"] = time.monotonic()
+        group.abort()
+        fired["done"] = time.monotonic()
+
+    th = threading.Thread(target=aborter, daemon=True)
+    th.start()
+    err, work = None, None
+    try:
+        work = group.irecv(buf, 0)  # rank 0 never sends
+        group.wait(work)
+    except GroupAborted as e:
+        err = type(e).__name__
+    released = time.monotonic()
+    th.join(10)
+    limit = time.monotonic() + 10  # the aborted kernel really ended: its stream moves on
+    while work is not None and not work.event.query() and time.monotonic() < limit:
+        time.sleep(0.01)
+    return {"error": err, "release_s": released - fired["t"], "abort_call_s": fired.get("done", math.nan) - fired["t"],
+            "kernel_ended_after_abort": bool(work is not None and work.event.query())}
+
+
+# -- command line -------------------------------------------------------------------------------
+
+def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--device cuda (2 GPUs, NCCL)")
+    g.add_argument("--gpu-layers", type=int, default=32, help="transformer layers of the Llama-3-8B model [32]")
+    g.add_argument("--gpu-bucket-mib", type=int, default=1024, help="plan bucket size, MiB [1024]")
+    g.add_argument("--gpu-bucket32-mib", type=int, default=512, help="bucket size of the fp32->bf16 plan, MiB [512]")
+    g.add_argument("--gpu-group-mib", type=int, default=1024, help="bytes per NCCL group (window of rounds), MiB [1024]")
+    g.add_argument("--gpu-staging-mib", type=int, default=2048, help="staging budget, MiB [2048]")
+    g.add_argument("--gpu-iters", type=int, default=10, help="timed back-to-back refits [10]")
+    g.add_argument("--gpu-refits", type=int, default=50, help="refits of the memory-hygiene check [50]")
+    g.add_argument("--gpu-no-sweep", action="store_true", help="skip the bucket/group size sweep")
+    g.add_argument("--gpu-no-fp32", action="store_true", help="skip the fp32 -> bf16 variant")
+    g.add_argument("--gpu-no-ipc", action="store_true", help="skip the experimental CUDA IPC pull")
+    g.add_argument("--gpu-out", default=None, help="also write the JSON result to this file")
+
+
+def _cfg(args) -> dict:
+    get = lambda k, d: getattr(args, k, d)  # noqa: E731 - the lead's parser may not carry every option
+    return {
+        "layers": get("gpu_layers", 32), "bucket_mib": get("gpu_bucket_mib", 1024),
+        "bucket32_mib": get("gpu_bucket32_mib", 512), "group_mib": get("gpu_group_mib", 1024),
+        "staging_mib": get("gpu_staging_mib", 2048), "iters": get("gpu_iters", 10),
+        "refits": get("gpu_refits", 50), "sweep": not get("gpu_no_sweep", False),
+        "fp32": not get("gpu_no_fp32", False), "ipc": not get("gpu_no_ipc", False), "seed": 1234,
+    }
+
+
+def summarize(r0: dict, r1: dict, abort: dict) -> dict:
+    total = r1["bytes"]
+    gbps = lambda s: total / s / GB if s else float("nan")  # noqa: E731
+    slowest = lambda k, m="steady_s": max(r0[k][m], r1[k][m])  # noqa: E731
+    s = {
+        "model": f"Llama-3-8B shapes, {r1['tensors']} HF tensors -> {r1['fused_params']} fused vLLM params, bf16",
+        "bytes": total,
+        "device": r1["device"],
+        "plan": r1["plan"],
+        "refit_GBps": gbps(slowest("refit")),
+        "refit_single_GBps": gbps(slowest("refit", "single_s")),
+        "raw_nccl_GBps": gbps(slowest("raw")),
+        "raw_nccl_single_GBps": gbps(slowest("raw", "single_s")),
+        "bcast_GBps": gbps(slowest("bcast")),
+        "bcast_handshake_GBps": gbps(slowest("bcast_handshake")),
+        "golden_GBps": gbps(slowest("golden")),
+        "verified": {k: r1[k][0] for k in r1 if k.startswith("verify_")},
+        "verify_failures": {k: r1[k][1] for k in r1 if k.startswith("verify_") and not r1[k][0]},
+        "hygiene_bf16": r1["hygiene_bf16"],
+        "hygiene_bf16_src": r0["hygiene_bf16"],
+        "abort": abort,
+        "sweep": [dict(v, GBps=gbps(max(v["steady_s"], w["steady_s"]))) for v, w in zip(r1["sweep"], r0["sweep"])],
+        "breakdown": {"src": r0.get("refit_breakdown"), "dst": r1.get("refit_breakdown"),
+                      "fp32_src": r0.get("fp32_breakdown"), "fp32_dst": r1.get("fp32_breakdown")},
+    }
+    if "fp32" in r1:
+        s["fp32_to_bf16_GBps"] = gbps(slowest("fp32"))
+        s["fp32_sweep"] = [dict(v, GBps=gbps(max(v["steady_s"], w["steady_s"])))
+                           for v, w in zip(r1.get("fp32_sweep", []), r0.get("fp32_sweep", []))]
+        s["hygiene_fp32_src"] = r0["hygiene_fp32"]
+        s["hygiene_fp32"] = r1["hygiene_fp32"]
+    if "ipc" in r1:
+        s["ipc"] = r1["ipc"] if "error" in r1["ipc"] else {
+            "GBps": gbps(max(r1["ipc"]["steady_s"], r0["ipc"].get("steady_s", 0))),
+            "pull_only_GBps": gbps(r1["ipc"].get("pull_only_s", 0)), **r1["ipc"]}
+    s["ratios"] = {
+        "refit_over_raw": s["refit_GBps"] / s["raw_nccl_GBps"],
+        "refit_over_raw_single": s["refit_single_GBps"] / s["raw_nccl_single_GBps"],
+        "refit_over_bcast": s["refit_GBps"] / s["bcast_GBps"],
+        "refit_over_bcast_handshake": s["refit_GBps"] / s["bcast_handshake_GBps"],
+        "refit_over_golden": s["refit_GBps"] / s["golden_GBps"],
+    }
+    return s
+
+
+def print_table(s: dict) -> None:
+    rows = [
+        ("refit (streamed NCCL, steady)", s["refit_GBps"], ""),
+        ("refit (single, synced)", s["refit_single_GBps"], ""),
+        ("raw NCCL send/recv, one flat buffer", s["raw_nccl_GBps"], f"refit/raw = {s['ratios']['refit_over_raw']:.3f}"),
+        ("raw NCCL (single, synced)", s["raw_nccl_single_GBps"],
+         f"refit/raw = {s['ratios']['refit_over_raw_single']:.3f}"),
+        ("per-tensor broadcast (stream-ordered)", s["bcast_GBps"], f"refit/x = {s['ratios']['refit_over_bcast']:.2f}"),
+        ("per-tensor broadcast + metadata handshake", s["bcast_handshake_GBps"],
+         f"refit/x = {s['ratios']['refit_over_bcast_handshake']:.2f}"),
+        ("xferdtensor_golden per tensor", s["golden_GBps"], f"refit/x = {s['ratios']['refit_over_golden']:.2f}"),
+    ]
+    if "fp32_to_bf16_GBps" in s:
+        rows.append(("refit fp32 -> bf16 (cast at pack)", s["fp32_to_bf16_GBps"], "GB/s of bf16 on the wire"))
+    ipc = s.get("ipc")
+    if ipc:
+        rows.append(("IPC pull, copy engines (experimental)", ipc.get("GBps", float("nan")),
+                     ipc.get("error", f"with handshakes; copies alone {ipc.get('pull_only_GBps', float('nan')):.0f} GB/s")))
+    print(f"\n{s['model']}; {s['bytes'] / GB:.2f} GB; {s['device']} x2")
+    print(f"{'path':44s} {'GB/s':>8s}  note")
+    for name, v, note in rows:
+        print(f"{name:44s} {v:8.1f}  {note}")
+    if s.get("sweep"):
+        print("sweep (bucket MiB / group MiB [/packed] -> GB/s): " + ", ".join(
+            f"{v['bucket_mib']}/{v['group_mib']}{'/packed' + str(v['packed']) if v['packed'] else ''} -> {v['GBps']:.0f}"
+            for v in s["sweep"]))
+    for side, b in (s.get("breakdown") or {}).items():
+        if b:
+            print(f"single refit {side}: total {b['total_s'] * 1e3:.1f} ms = host setup {b['setup_s'] * 1e3:.1f}, "
+                  f"1st group queued {b.get('first_group_queued_s', 0) * 1e3:.1f}, all queued {b['enqueue_s'] * 1e3:.1f}; "
+                  f"GPU idle before 1st group {b.get('gpu_idle_before_first_group_s', 0) * 1e3:.1f}, "
+                  f"groups {b.get('gpu_groups_s', 0) * 1e3:.1f}")
+    if s.get("fp32_sweep"):
+        print("fp32->bf16 sweep (bucket/staging/group MiB -> GB/s): " + ", ".join(
+            f"{v['bucket_mib']}/{v['staging_mib']}/{v['group_mib']} -> {v['GBps']:.0f}" for v in s["fp32_sweep"]))
+    for key in ("hygiene_bf16_src", "hygiene_bf16", "hygiene_fp32_src", "hygiene_fp32"):
+        h = s.get(key)
+        if h:
+            print(f"{key}: {h['refits']} refits, peak staging {h['peak_staging_bytes'] / MIB:.1f} MiB "
+                  f"(arena {h['capacity'] / MIB:.0f} MiB, budget {h['budget'] / MIB:.0f} MiB); allocated after "
+                  f"first/last refit {h['alloc_first'] / MIB:.1f}/{h['alloc_last'] / MIB:.1f} MiB, "
+                  f"peak over base {h['max_allocated_over_base'] / MIB:.1f} MiB")
+    a = s["abort"]
+    print(f"abort: blocked NCCL recv released in {a.get('release_s', float('nan')):.4f} s "
+          f"(abort() call {a.get('abort_call_s', float('nan')):.3f} s, raised {a.get('error')})")
+    print(f"verified bit-exact: {s['verified']}")
+
+
+def run_gpu(args) -> int:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print("refit bench --device cuda needs 2 GPUs; torch sees", torch.cuda.device_count(), file=sys.stderr)
+        return 2
+    cfg = _cfg(args)
+    t0 = time.perf_counter()
+    with DeviceFleet(2) as fleet:
+        r0, r1 = fleet.run(_bench_rank, cfg, timeout_s=260)
+        fleet.rebuild()
+        abort = fleet.run(_abort_probe, timeout_s=60)[1]
+    s = summarize(r0, r1, abort)
+    s["wall_s"] = time.perf_counter() - t0
+    s["per_rank"] = [r0, r1]
+    text = json.dumps(s, indent=1, default=str)
+    out_path = getattr(args, "gpu_out", None)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(text)
+    if getattr(args, "json", False):
+        print(text)
+    else:
+        print_table(s)
+    ok = all(s["verified"].values())
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="refit-bench-gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_gpu_arguments(p)
+    return run_gpu(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The NCCL communicator and the streamed transport on two GPUs (skipped without them).
+
+Run on the lent 2-GPU machine by ``scripts/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import comm_jobs
+from refit import Replicate as R
+from refit import Shard as S
+from refit.comm import free_port
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+CASES = [  # both ranks send and receive (NCCL deadlocks here unless sends and receives are grouped)
+    {"shape": [64, 48], "seed": 1, "src_mesh": [0, 1], "src_pl": [S(0)], "dst_mesh": [1, 0], "dst_pl": [S(1)],
+     "src_dtype": "float32", "dst_dtype": "bfloat16"},
+    {"shape": [33, 7], "seed": 2, "src_mesh": [0], "src_pl": [R()], "dst_mesh": [0, 1], "dst_pl": [R()],
+     "src_dtype": "bfloat16", "dst_dtype": "float32"},
+    {"shape": [1024, 512], "seed": 3, "src_mesh": [0, 1], "src_pl": [S(1)], "dst_mesh": [0, 1], "dst_pl": [S(0)],
+     "src_dtype": "float32", "dst_dtype": "float32"},
+    {"shape": [9], "seed": 4, "src_mesh": [1], "src_pl": [R()], "dst_mesh": [0], "dst_pl": [R()],
+     "src_dtype": "float64", "dst_dtype": "float64"},
+]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    from refit.bench_gpu import DeviceFleet
+
+    with DeviceFleet(2, init_timeout_s=60) as f:
+        yield f
+
+
+def test_nccl_roundtrip(fleet):
+    out = fleet.run(comm_jobs.nccl_roundtrip, timeout_s=120)
+    assert [o["broadcast"] for o in out] == [1000.0, 1000.0]
+    assert [o["ring"] for o in out] == [11.0, 10.0]
+    assert out[1]["p2p"] == [3.0] * 5
+
+
+@pytest.mark.parametrize("budget", [4 << 10, 1 << 20])
+def test_streamed_plan_on_nccl(fleet, budget):
+    """Casts, traffic both ways, local copies, strided destinations; arena small enough to wrap.
+    50 refits with fresh data each time: exact every time, staging and allocations flat."""
+    cfg = {"device": "cuda", "bucket_bytes": 256, "iters": 50, "strided_dst": ["f", "a"],
+           "staging_budget_bytes": budget, "group_bytes": 2 << 10}
+    out = fleet.run(comm_jobs.reshard_model, cfg, timeout_s=300)
+    for o in out:
+        assert all(o["ok"]), (o["rank"], o["ok"])
+        assert all(s["groups"] > 0 for s in o["stats"]), "the NCCL path is the streamed one"
+        assert all(s["peak_staging"] <= s["capacity"] <= budget for s in o["stats"])
+        allocs = [s["alloc"] for s in o["stats"]]
+        assert allocs[-1] == allocs[1], f"GPU memory grew over refits: {allocs[:3]} .. {allocs[-3:]}"
+
+
+def test_xferdtensor_nccl_matches_golden(fleet):
+    out = fleet.run(comm_jobs.xfer_cuda, CASES, timeout_s=120)
+    for r, res in enumerate(out):
+        for case, got in zip(CASES, res):
+            want = True if r in case["dst_mesh"] else None
+            assert got == {"xferdtensor": want, "xferdtensor_golden": want}, (r, case)
+
+
+def test_torch_default_group_nccl(fleet):
+    out = fleet.run(comm_jobs.torch_group_nccl, free_port(), CASES, timeout_s=180)
+    for r, res in enumerate(out):
+        for case, got in zip(CASES, res):
+            assert got["ok"] is (True if r in case["dst_mesh"] else None), (r, case, got)
+
+
+def test_init_deadline_when_a_peer_never_arrives(fleet):
+    out = fleet.run_per_rank([(comm_jobs.init_alone, (free_port(), 5.0)), (comm_jobs.idle, ())], timeout_s=120)
+    res = out[0]
+    assert res["type"] == "TransportError", res
+    assert "rank(s) [1] never arrived" in res["error"], res
+    assert 4.5 <= res["elapsed"] < 15.0, res
+
+
+def test_abort_releases_a_blocked_recv(fleet):
+    try:
+        out = fleet.run(comm_jobs.blocked_recv_released_by_abort, timeout_s=60)
+        res = out[1]
+        assert res["error"] in ("NcclAborted", "GroupAborted"), res
+        assert res["release_s"] < 1.0, res
+        assert res["kernel_ended"], "ncclCommAbort ended the blocked recv kernel"
+        print(f"\nabort released a blocked NCCL recv in {res['release_s'] * 1e3:.1f} ms "
+              f"(abort() returned after {res['abort_call_s'] * 1e3:.1f} ms)")
+    finally:
+        fleet.rebuild()
+
+
+def test_abort_of_parent_releases_a_rank_blocked_on_a_split_child(fleet):
+    try:
+        out = fleet.run(comm_jobs.split_child_abort, timeout_s=60)
+        res = out[1]
+        assert res["child_world"] == 2
+        assert res["error"] in ("NcclAborted", "GroupAborted") and res["child_aborted"], res
+        assert res["release_s"] < 1.0, res
+    finally:
+        fleet.rebuild()
+
+
+def test_vllm_peer_protocol(fleet):
+    fleet.rebuild(peer="vllm")  # warm-up by all-reduce, pickled id published for vLLM ranks
+    try:
+        out = fleet.run(comm_jobs.nccl_roundtrip, timeout_s=120)
+        assert [o["ring"] for o in out] == [11.0, 10.0]
+        assert fleet.run(comm_jobs.vllm_key, timeout_s=30)[0] == {"same": True}
+    finally:
+        fleet.rebuild(peer="nemo")
