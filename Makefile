@@ -11,13 +11,13 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,ray]"
+	$(BIN)/pip install -q -e ".[test,ray,nixl]"
 	touch $@
 
 install: $(BIN)/.installed
 
 demo: install
-	$(BIN)/refit bench --device cpu
+	$(BIN)/refit demo
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -87,7 +87,10 @@ def checksum(buf: torch.Tensor) -> int:
     Catches a flipped or misplaced byte in a bucket; it is not a cryptographic digest.
     """
     n = buf.numel() // 4 * 4
-    words = buf[:n].view(torch.int32).to(torch.int64)
+    head = buf[:n]
+    if head.data_ptr() % 4:
+        head = head.clone()  # an in-place view of a bf16/fp16 tensor may start mid-word
+    words = head.view(torch.int32).to(torch.int64)
     weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=buf.device) % 65521
     total = int((words * weights).sum().item()) if words.numel() else 0
     tail = buf[n:].to(torch.int64)
