@@ -29,6 +29,7 @@ inside the group; see ``build_rank_plan``.
 from __future__ import annotations
 
 import bisect
+import gc
 import hashlib
 import itertools
 import math
@@ -229,6 +230,28 @@ class ParamIndex:
     def ranks(self) -> list[int]:
         return sorted(self.by_rank)
 
+    def __getstate__(self) -> dict:
+        # the planner's per-index cache (see _planner_cache) is local working memory
+        return {k: v for k, v in self.__dict__.items() if k != "_planner_cache"}
+
+
+def _layout_key(e: RosterEntry) -> tuple | None:
+    """A content key for an entry's (mesh, placements, dtype), or None when it has none."""
+    m = e.mesh
+    if isinstance(m, np.ndarray):
+        mk = ("np", m.shape, m.dtype.str, m.tobytes())
+    elif isinstance(m, (list, tuple)):
+        mk = ("seq", repr(m))
+    else:
+        return None
+    pl = e.placements
+    pk = tuple(pl) if isinstance(pl, (list, tuple)) else (pl,)
+    try:
+        hash(pk)
+    except TypeError:
+        return None
+    return (mk, pk, str(e.dtype))
+
 
 def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry]], world_size: int) -> ParamIndex:
     """Check the per-rank rosters against each other and merge them into one spec per param.
@@ -240,15 +263,26 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry]], world_size: int)
     """
     seen: dict[tuple[str, str], dict[TensorLayout, list[int]]] = defaultdict(dict)
     shapes: dict[str, dict[tuple[int, ...], list[int]]] = defaultdict(dict)
+    # A model's hundreds of thousands of entries repeat a few hundred layouts: build and
+    # check each distinct one once (the first entry that has it is the one an error names).
+    made: dict[tuple, TensorLayout] = {}
+    valid: set[tuple] = set()
     for rank in sorted(rosters):
         if not 0 <= rank < world_size:
             raise PlanError(f"roster from rank {rank}, outside the process group of world size {world_size}")
         for e in rosters[rank]:
-            layout = TensorLayout.make(e.mesh, e.placements, e.dtype, param=e.name)
-            validate_layout(
-                e.global_shape, layout.mesh_shape, layout.placements,
-                param=f"{e.name} ({e.role} on rank {rank})", world_size=world_size, mesh_ranks=layout.mesh_ranks,
-            )
+            key = _layout_key(e)
+            layout = made.get(key) if key is not None else None
+            if layout is None:
+                layout = TensorLayout.make(e.mesh, e.placements, e.dtype, param=e.name)
+                if key is not None:
+                    made[key] = layout
+            if (e.global_shape, layout) not in valid:
+                validate_layout(
+                    e.global_shape, layout.mesh_shape, layout.placements,
+                    param=f"{e.name} ({e.role} on rank {rank})", world_size=world_size, mesh_ranks=layout.mesh_ranks,
+                )
+                valid.add((e.global_shape, layout))
             if layout.coords(rank) is None:
                 raise PlanError(
                     f"{e.name}: rank {rank} reported a {e.role} layout whose mesh {list(layout.mesh_ranks)} "
@@ -314,7 +348,7 @@ class Op:
     wire_dtype: str
     direct: bool = False  # contiguous in both local tensors, no cast: can skip staging
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.box.numel * _itemsize(self.wire_dtype)
 
@@ -517,6 +551,18 @@ class _Block:
         self.direct = direct
 
 
+_REPLICATION: dict[tuple, int] = {}
+
+
+def _replication(layout: TensorLayout) -> int:
+    """``layout.replication``, shared by every mesh of one shape and placements."""
+    key = (layout.mesh_shape, layout.placements)
+    got = _REPLICATION.get(key)
+    if got is None:
+        got = _REPLICATION[key] = layout.replication
+    return got
+
+
 def _window(offset: int, total: int, k: int, rot: int) -> int:
     """Replica index serving the consumer whose bytes start at ``offset``.
 
@@ -628,8 +674,13 @@ class _FormPlanner:
         self._src_regions: dict[tuple, Region] = {}
         self._dst_regions: dict[tuple, Region] = {}
         self._units: dict[tuple, tuple] = {}
+        self._blocks: dict[tuple, list[_Block]] = {}
         self._templates: dict[int, _Template] = {}
         self._groups: list[_Group] | None = None
+        self._consumer_forms: dict[tuple, list[tuple[int, int]]] = {}
+        self._prefix: dict[tuple, list[int]] = {}
+        n_src = len(self.src.mesh_ranks)  # canonical: the source mesh is 0..n_src-1
+        self._disjoint = [min(lay.mesh_ranks) >= n_src for lay in self.dsts]
         self._member: dict[int, tuple[int, int]] = {}
 
     # -- geometry ----------------------------------------------------------------------------
@@ -653,7 +704,13 @@ class _FormPlanner:
                offset: int = 0) -> list[_Block]:
         """Boxes of ``src_region`` ∩ ``dst_region`` cut to the bucket size. With ``within``,
         ``dst_region`` is a stripe of that group's region starting at local ``offset``
-        along its cut dim, and destination offsets are given in the region's local order."""
+        along its cut dim, and destination offsets are given in the region's local order.
+        Memoized: the replicas of one engine layout all cut the same blocks."""
+        memo_key = (src_region, dst_region, None if within is None else within.region, offset,
+                    self.wire[g], self.dsts[g].dtype)
+        got = self._blocks.get(memo_key)
+        if got is not None:
+            return got
         itemsize = self.witem[g]
         no_cast = self.src.dtype == self.dsts[g].dtype
         src_shape = region_shape(src_region)
@@ -667,20 +724,35 @@ class _FormPlanner:
             for piece in split_box(box, itemsize, self.bucket_bytes):
                 direct = no_cast and _contiguous(piece.shape, src_shape) and _contiguous(piece.shape, dst_shape)
                 out.append(_Block(piece, direct))
+        self._blocks[memo_key] = out
         return out
 
     # -- plain consumers ----------------------------------------------------------------------
-    def _group_bytes(self, g: int, src_region: Region, replicas, stats) -> int:
+    def _group_bytes(self, g: int, src_region: Region, replicas, stats, numel: int | None = None) -> int:
         """Bytes that dst layout ``g`` needs from one shard, less what its ranks hold themselves."""
         layout = self.dsts[g]
-        total = region_numel(src_region) * layout.replication
-        for r in replicas:
+        total = (region_numel(src_region) if numel is None else numel) * _replication(layout)
+        for r in () if self._disjoint[g] else replicas:
             if layout.coords(r) is not None:
                 total -= region_overlap_numel(src_region, self.dst_region(g, r, stats))
         return total * self.witem[g]
 
     def _consumers_in_group(self, g: int, src_region: Region, rep_set, stats):
         """(rank, bytes) of the non-local consumers of one source shard in dst layout ``g``, in mesh order."""
+        layout = self.dsts[g]
+        if self._disjoint[g]:
+            # no source rank in this layout: the answer depends on its form alone, and the
+            # replicas of one engine share it (mesh positions, mapped to this layout's ranks)
+            fkey = (src_region, layout.mesh_shape, layout.placements, layout.dtype)
+            flat = self._consumer_forms.get(fkey)
+            if flat is None:
+                flat = self._consumer_forms[fkey] = [
+                    (layout.flat_index(r), n) for r, n in self._walk_consumers(g, src_region, rep_set, stats)]
+            ranks = layout.mesh_ranks
+            return [(ranks[i], n) for i, n in flat]
+        return self._walk_consumers(g, src_region, rep_set, stats)
+
+    def _walk_consumers(self, g: int, src_region: Region, rep_set, stats):
         layout = self.dsts[g]
         geo = self.cache.geometry(self.shape, layout)
         out = [r for dkey in geo.overlapping_keys(src_region) for r in geo.key_ranks(dkey) if r not in rep_set]
@@ -694,13 +766,19 @@ class _FormPlanner:
         the other layouts' byte totals are ``numel x replication`` less what they hold."""
         src_region = self.src_region(key, stats)
         rep_set = set(self.src_geo.key_ranks(key))
-        group_bytes = [self._group_bytes(h, src_region, rep_set, stats) for h in range(len(self.dsts))]
-        off = sum(group_bytes[:g])
+        prefix = self._prefix.get(key)
+        if prefix is None:  # byte totals of the layouts before each one, shared by every rank position
+            prefix = [0]
+            numel = region_numel(src_region)
+            for h in range(len(self.dsts)):
+                prefix.append(prefix[-1] + self._group_bytes(h, src_region, rep_set, stats, numel))
+            self._prefix[key] = prefix
+        off = prefix[g]
         for r, nbytes in self._consumers_in_group(g, src_region, rep_set, stats):
             if r == c:
                 break
             off += nbytes
-        return off, sum(group_bytes)
+        return off, prefix[-1]
 
     # -- fan-out --------------------------------------------------------------------------------
     def groups(self, stats) -> list[_Group]:
@@ -837,6 +915,30 @@ class _FormPlanner:
         return t
 
 
+class _DisjointMap:
+    """Canonical index <-> rank for layouts whose source mesh shares no rank with the
+    destinations: index ``i < n`` is source mesh position ``i``, the rest run through the
+    destination layouts in order. Costs nothing per param beyond the lookups it serves."""
+
+    __slots__ = ("src", "dsts", "where", "offsets", "n")
+
+    def __init__(self, src: TensorLayout, dsts: tuple[TensorLayout, ...], info: tuple, n: int):
+        self.src, self.dsts = src, dsts
+        self.where, self.offsets = info
+        self.n = n
+
+    def __getitem__(self, x: int) -> int:  # canonical index -> rank
+        if x < self.n:
+            return self.src.mesh_ranks[x]
+        x -= self.n
+        g = bisect.bisect_right(self.offsets, x) - 1
+        return self.dsts[g].mesh_ranks[x - self.offsets[g]]
+
+    def canonical(self, rank: int) -> int:  # rank -> canonical index
+        i = self.src._flat.get(rank)
+        return i if i is not None else self.n + self.where[rank]
+
+
 class _PlannerCache:
     """Per-index planning state: canonical forms, geometry and templates, filled on demand.
 
@@ -851,6 +953,10 @@ class _PlannerCache:
         self._tables: dict[tuple, tuple] = {}
         self._regions: dict[tuple, Region] = {}
         self._forms: dict[tuple, tuple] = {}
+        self._by_id: dict[tuple, tuple] = {}
+        self._form_objects: dict[tuple, tuple] = {}
+        self._dst_infos: dict[tuple, tuple] = {}
+        self._canon_dsts: dict[tuple, tuple] = {}
         self._canon_layouts: dict[tuple, TensorLayout] = {}
         self._planners: dict[tuple, _FormPlanner] = {}
 
@@ -875,7 +981,33 @@ class _PlannerCache:
         return reg
 
     def form(self, src: TensorLayout, dsts: tuple[TensorLayout, ...], domains) -> tuple:
-        """(form, canonical index -> rank, rank -> canonical index) of one param's layouts."""
+        """(form, canonical index -> rank, rank -> canonical index) of one param's layouts.
+
+        Looked up by object identity first: the params of one model share their layout
+        objects, and hashing a tuple of hundreds of engine layouts per param would make
+        a rank's work grow with the engine count."""
+        key = (id(src), id(dsts), id(domains))
+        hit = self._by_id.get(key)
+        if hit is not None and hit[0] is src and hit[1] is dsts and hit[2] is domains:
+            return hit[3]
+        got = self._form(src, dsts, domains)
+        self._by_id[key] = (src, dsts, domains, got)
+        return got
+
+    def _form(self, src: TensorLayout, dsts: tuple[TensorLayout, ...], domains) -> tuple:
+        if domains is None:
+            info = self._dst_info(dsts)
+            if not any(r in info[0] for r in src.mesh_ranks):
+                # the usual case, sources and destinations on different ranks: canonical
+                # indices are the source mesh positions, then the destination layouts' in order
+                n = len(src.mesh_ranks)
+                cdsts = self._canon_dsts.get((dsts, n))
+                if cdsts is None:
+                    cdsts = self._canon_dsts[(dsts, n)] = tuple(
+                        self._canon_range(d, n + off) for d, off in zip(dsts, info[1]))
+                form = self._interned((self._canon_range(src, 0), cdsts, None))
+                m = _DisjointMap(src, dsts, info, n)
+                return (form, m, m)
         key = (src, dsts, domains)
         got = self._forms.get(key)
         if got is None:
@@ -889,9 +1021,33 @@ class _PlannerCache:
             if domains is not None:
                 labels: dict[Any, int] = {}
                 cdoms = tuple(labels.setdefault(domains[r], len(labels)) for r in ranks)
-            form = (self._canon(src, to_c), tuple(self._canon(d, to_c) for d in dsts), cdoms)
+            form = self._interned((self._canon(src, to_c), tuple(self._canon(d, to_c) for d in dsts), cdoms))
             got = self._forms[key] = (form, ranks, to_c)
         return got
+
+    def _interned(self, form: tuple) -> tuple:
+        """One object per distinct form, so that later lookups key on its identity."""
+        return self._form_objects.setdefault(form, form)
+
+    def _dst_info(self, dsts: tuple[TensorLayout, ...]) -> tuple:
+        """(rank -> canonical offset among the destination layouts, each layout's first offset)."""
+        info = self._dst_infos.get(dsts)
+        if info is None:
+            where: dict[int, int] = {}
+            offsets = []
+            for lay in dsts:
+                offsets.append(len(where))
+                for r in lay.mesh_ranks:
+                    where[r] = len(where)
+            info = self._dst_infos[dsts] = (where, tuple(offsets))
+        return info
+
+    def _canon_range(self, layout: TensorLayout, first: int) -> TensorLayout:
+        key = (tuple(range(first, first + len(layout.mesh_ranks))), layout.mesh_shape, layout.placements, layout.dtype)
+        lay = self._canon_layouts.get(key)
+        if lay is None:
+            lay = self._canon_layouts[key] = TensorLayout(*key)
+        return lay
 
     def _canon(self, layout: TensorLayout, to_c: dict[int, int]) -> TensorLayout:
         ranks = tuple(to_c[r] for r in layout.mesh_ranks)
@@ -902,7 +1058,7 @@ class _PlannerCache:
         return lay
 
     def planner(self, shape, form, bucket_bytes: int, stripe_bytes: int | None) -> _FormPlanner:
-        key = (shape, form, bucket_bytes, stripe_bytes)
+        key = (shape, id(form), bucket_bytes, stripe_bytes)  # forms are interned: see _form
         fp = self._planners.get(key)
         if fp is None:
             fp = self._planners[key] = _FormPlanner(shape, form, self, bucket_bytes, stripe_bytes)
@@ -919,6 +1075,13 @@ def _planner_cache(index: ParamIndex) -> _PlannerCache:
 def reset_planner_cache(index: ParamIndex) -> None:
     """Forget the geometry and templates cached on ``index`` (to time a cold build)."""
     index.__dict__.pop("_planner_cache", None)
+
+
+def _stripe_rotation(index: ParamIndex, name: str, leader: int, members: int) -> int:
+    """Which member takes a param's first stripe window: the param's position among the
+    group leader's params, so consecutive params start on consecutive members and every
+    member ends up owning its share of stripes (every rank can compute it from the index)."""
+    return bisect.bisect_left(index.by_rank[leader], name) % members
 
 
 def _task_id_from(prefix: bytes, block: _Block) -> int:
@@ -1021,7 +1184,19 @@ def build_rank_plan(
         raise PlanError(f"bucket_bytes must be at least 16, got {bucket_bytes}")
     if fanout and fanout_stripe_bytes < 1:
         raise PlanError(f"fanout_stripe_bytes must be positive, got {fanout_stripe_bytes}")
-    stats = stats if stats is not None else PlanStats()
+    # The build allocates many small acyclic objects next to a large index: the cyclic
+    # collector's full passes over that heap would cost more than the build itself.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _build_rank_plan(index, rank, bucket_bytes, stats if stats is not None else PlanStats(), fanout,
+                                fanout_domains, fanout_stripe_bytes)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _build_rank_plan(index, rank, bucket_bytes, stats, fanout, fanout_domains, fanout_stripe_bytes) -> RankPlan:
     cache = _planner_cache(index)
     domains = _normalize_domains(fanout_domains, index.world_size) if fanout else None
     stripe_bytes = fanout_stripe_bytes if fanout else None
@@ -1030,19 +1205,18 @@ def build_rank_plan(
     gsends: dict[int, list[Op]] = defaultdict(list)
     grecvs: dict[int, list[Op]] = defaultdict(list)
     local: list[Op] = []
-    nops = 0
     for name in index.by_rank.get(rank, ()):
         spec = index.specs[name]
         form, ranks, to_c = cache.form(spec.src, spec.dsts, domains)
         fp = cache.planner(spec.shape, form, bucket_bytes, stripe_bytes)
-        c = to_c[rank]
+        c = to_c.canonical(rank) if isinstance(to_c, _DisjointMap) else to_c[rank]
         t = fp.template(c, stats)
         src_dtype = fp.src.dtype
         dsts = fp.dsts
         prefixes: dict[int, bytes] = {}
 
-        def emit(out: list, blocks: list[_Block], src_c: int, dst_c: int, g: int, gather: bool = False) -> None:
-            s, d = ranks[src_c], ranks[dst_c]
+        def emit(out: list, blocks: list[_Block], s: int, d: int, g: int, gather: bool = False) -> None:
+            """Ops of ``blocks`` from rank ``s`` to rank ``d`` (actual ranks) into ``out``."""
             prefix = prefixes.get(d)
             if prefix is None:
                 prefix = prefixes[d] = f"{name}|{d}".encode()
@@ -1052,42 +1226,43 @@ def build_rank_plan(
                 out.append(Op(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct))
 
         for g, blocks in t.local:
-            emit(local, blocks, c, c, g)
+            emit(local, blocks, rank, rank, g)
         if t.src is not None:
             k = t.src[0]
             rot = _rotation(name) % k
             units = t.src[3]
-            rot_f = _rotation(name, b"|fanout") if fanout else 0
             for i in t.mine(rot):
                 target, g = units[i][2], units[i][3]
                 if isinstance(target, tuple):
                     grp = fp._groups[target[0]]
-                    dst_c = grp.owner(target[1], rot_f % len(grp.members))
+                    dst_c = grp.owner(target[1], _stripe_rotation(index, name, ranks[grp.members[0]], len(grp.members)))
                 else:
                     dst_c = target
-                emit(sends[ranks[dst_c]], fp.unit_blocks(t, i, stats), c, dst_c, g)
+                d = ranks[dst_c]
+                emit(sends[d], fp.unit_blocks(t, i, stats), rank, d, g)
         if t.recv:
             h = _rotation(name)
             for k, replicas, off, total, g, blocks in t.recv:
-                sender = replicas[_window(off, total, k, h % k)]
-                emit(recvs[ranks[sender]], blocks, sender, c, g)
+                s = ranks[replicas[_window(off, total, k, h % k)]]
+                emit(recvs[s], blocks, s, rank, g)
         if t.fan is not None:
             grp, j, per_stripe = t.fan
             g = grp.g
             h = _rotation(name)
-            rot_f = _rotation(name, b"|fanout") % len(grp.members)
+            rot_f = _stripe_rotation(index, name, ranks[grp.members[0]], len(grp.members))
             for s, parts in enumerate(per_stripe):
                 owner = grp.owner(s, rot_f)
                 if owner == c:
+                    others = [ranks[m] for m in grp.members if m != c]
                     for k, replicas, off, total, blocks, gathers in parts:
-                        sender = replicas[_window(off, total, k, h % k)]
-                        emit(recvs[ranks[sender]], blocks, sender, c, g)
-                        for m in grp.members:
-                            if m != c:
-                                emit(gsends[ranks[m]], gathers, c, m, g, gather=True)
+                        s = ranks[replicas[_window(off, total, k, h % k)]]
+                        emit(recvs[s], blocks, s, rank, g)
+                        for d in others:
+                            emit(gsends[d], gathers, rank, d, g, gather=True)
                 else:
+                    o = ranks[owner]
                     for *_, gathers in parts:
-                        emit(grecvs[ranks[owner]], gathers, owner, c, g, gather=True)
+                        emit(grecvs[o], gathers, o, rank, g, gather=True)
     plan = RankPlan(rank, index.world_size, bucket_bytes,
                     plan_key(index, rank, bucket_bytes, fanout=_fanout_key(fanout, stripe_bytes, domains)))
 

@@ -1,0 +1,328 @@
+"""Every tensor of a model, by its Hugging Face name, with a global shape and a sharding kind.
+
+Built in: Llama-3-8B, Llama-3-70B, Qwen3-235B-A22B, DeepSeek-V3 and Kimi-K2 (routed
+experts, shared experts, routers, multi-token-prediction layers and all). Anything else of
+the same families is read from its ``config.json`` with ``load_hf_config``.
+
+Each tensor carries a *kind* that says how tensor parallelism cuts it, the same on the
+Megatron side and the vLLM side:
+
+========== ======================================================================
+kind        meaning
+========== ======================================================================
+``col``     column-parallel (output features, dim 0): q/k/v up-projections, gate/up
+``kv``      column-parallel over key/value heads (``heads`` of them): k_proj, v_proj;
+            when TP exceeds the heads, ranks share a head (see ``parallel``)
+``row``     row-parallel (input features, dim 1): o_proj, down_proj
+``vocab``   vocabulary-parallel (dim 0): embed_tokens, lm_head
+``rep``     replicated on every TP rank: norms, routers, MLA down-projections
+``ecol``    a routed expert's gate/up (dim 0 under expert TP)
+``erow``    a routed expert's down (dim 1 under expert TP)
+========== ======================================================================
+
+Fused engine tensors (``qkv_proj``, ``gate_up_proj``, grouped ``w13``) are views over
+these and move the same bytes; the adapters that map names live elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterator, Mapping
+
+from refit.errors import RefitError
+
+KINDS = ("col", "kv", "row", "vocab", "rep", "ecol", "erow")
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One tensor: HF name, global shape, sharding kind, and where it sits in the model.
+
+    ``layer`` is the decoder layer (``-1`` before the first, ``num_layers + mtp`` for the
+    final norm and head); ``expert`` the routed expert index, else ``None``; ``heads`` the
+    number of key/value heads along dim 0 of a ``kv`` tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    layer: int
+    expert: int | None = None
+    heads: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape-determining fields of a decoder-only model's config."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+    attention_bias: bool = False  # Qwen2: biases on q/k/v
+    # mixture of experts
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0  # DeepSeek style: one fused shared MLP of n x moe size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE style shared expert (+ its gate)
+    first_dense_layers: int = 0  # leading dense-MLP layers (DeepSeek first_k_dense_replace)
+    moe_layer_freq: int = 1
+    moe_layer_offset: int = 0  # a layer is MoE when (layer + offset) % freq == 0 (Qwen: 1, DeepSeek: 0)
+    router_bias: bool = False  # DeepSeek-V3 noaux_tc e_score_correction_bias
+    expert_naming: str = "mlp"  # "mlp" (mlp.experts.E.gate_proj) or "mixtral" (block_sparse_moe.experts.E.w1)
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_mtp_layers: int = 0  # DeepSeek-V3 multi-token prediction layers, stored after the last layer
+    dtype: str = "bfloat16"
+    _extra: tuple = field(default=(), compare=False, repr=False)
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.num_experts == 0 or layer < self.first_dense_layers:
+            return False
+        return (layer + self.moe_layer_offset) % self.moe_layer_freq == 0
+
+    # -- tensors -------------------------------------------------------------------------
+    def params(self) -> Iterator[ParamShape]:
+        """Every tensor, in checkpoint order: embedding, layers (then MTP layers), norm, head."""
+        h, v = self.hidden_size, self.vocab_size
+        yield ParamShape("model.embed_tokens.weight", (v, h), "vocab", -1)
+        for layer in range(self.num_layers):
+            yield from self._layer(layer, f"model.layers.{layer}")
+        for i in range(self.num_mtp_layers):
+            layer = self.num_layers + i
+            p = f"model.layers.{layer}"
+            yield ParamShape(f"{p}.embed_tokens.weight", (v, h), "vocab", layer)
+            yield ParamShape(f"{p}.enorm.weight", (h,), "rep", layer)
+            yield ParamShape(f"{p}.hnorm.weight", (h,), "rep", layer)
+            yield ParamShape(f"{p}.eh_proj.weight", (h, 2 * h), "rep", layer)
+            yield from self._layer(layer, p, moe=self.num_experts > 0)
+            yield ParamShape(f"{p}.shared_head.norm.weight", (h,), "rep", layer)
+            yield ParamShape(f"{p}.shared_head.head.weight", (v, h), "vocab", layer)
+        last = self.num_layers + self.num_mtp_layers
+        yield ParamShape("model.norm.weight", (h,), "rep", last)
+        if not self.tie_word_embeddings:
+            yield ParamShape("lm_head.weight", (v, h), "vocab", last)
+
+    def _layer(self, layer: int, p: str, moe: bool | None = None) -> Iterator[ParamShape]:
+        h = self.hidden_size
+        yield ParamShape(f"{p}.input_layernorm.weight", (h,), "rep", layer)
+        a = f"{p}.self_attn"
+        if self.mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.q_lora_rank:
+                yield ParamShape(f"{a}.q_a_proj.weight", (self.q_lora_rank, h), "rep", layer)
+                yield ParamShape(f"{a}.q_a_layernorm.weight", (self.q_lora_rank,), "rep", layer)
+                yield ParamShape(f"{a}.q_b_proj.weight", (self.num_heads * qk, self.q_lora_rank), "col", layer)
+            else:
+                yield ParamShape(f"{a}.q_proj.weight", (self.num_heads * qk, h), "col", layer)
+            yield ParamShape(f"{a}.kv_a_proj_with_mqa.weight", (self.kv_lora_rank + self.qk_rope_head_dim, h),
+                             "rep", layer)
+            yield ParamShape(f"{a}.kv_a_layernorm.weight", (self.kv_lora_rank,), "rep", layer)
+            yield ParamShape(f"{a}.kv_b_proj.weight",
+                             (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                             "col", layer)
+            yield ParamShape(f"{a}.o_proj.weight", (h, self.num_heads * self.v_head_dim), "row", layer)
+        else:
+            d, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+            yield ParamShape(f"{a}.q_proj.weight", (nq * d, h), "col", layer)
+            yield ParamShape(f"{a}.k_proj.weight", (nkv * d, h), "kv", layer, heads=nkv)
+            yield ParamShape(f"{a}.v_proj.weight", (nkv * d, h), "kv", layer, heads=nkv)
+            if self.attention_bias:
+                yield ParamShape(f"{a}.q_proj.bias", (nq * d,), "col", layer)
+                yield ParamShape(f"{a}.k_proj.bias", (nkv * d,), "kv", layer, heads=nkv)
+                yield ParamShape(f"{a}.v_proj.bias", (nkv * d,), "kv", layer, heads=nkv)
+            yield ParamShape(f"{a}.o_proj.weight", (h, nq * d), "row", layer)
+            if self.qk_norm:
+                yield ParamShape(f"{a}.q_norm.weight", (d,), "rep", layer)
+                yield ParamShape(f"{a}.k_norm.weight", (d,), "rep", layer)
+        yield ParamShape(f"{p}.post_attention_layernorm.weight", (h,), "rep", layer)
+        moe = self.is_moe_layer(layer) if moe is None else moe
+        if not moe:
+            yield from _mlp(f"{p}.mlp", h, self.intermediate_size, layer)
+            return
+        e_inter = self.moe_intermediate_size
+        if self.expert_naming == "mixtral":
+            m = f"{p}.block_sparse_moe"
+            yield ParamShape(f"{m}.gate.weight", (self.num_experts, h), "rep", layer)
+            for e in range(self.num_experts):
+                x = f"{m}.experts.{e}"
+                yield ParamShape(f"{x}.w1.weight", (e_inter, h), "ecol", layer, e)
+                yield ParamShape(f"{x}.w2.weight", (h, e_inter), "erow", layer, e)
+                yield ParamShape(f"{x}.w3.weight", (e_inter, h), "ecol", layer, e)
+            return
+        m = f"{p}.mlp"
+        yield ParamShape(f"{m}.gate.weight", (self.num_experts, h), "rep", layer)
+        if self.router_bias:
+            yield ParamShape(f"{m}.gate.e_score_correction_bias", (self.num_experts,), "rep", layer)
+        for e in range(self.num_experts):
+            x = f"{m}.experts.{e}"
+            yield ParamShape(f"{x}.gate_proj.weight", (e_inter, h), "ecol", layer, e)
+            yield ParamShape(f"{x}.up_proj.weight", (e_inter, h), "ecol", layer, e)
+            yield ParamShape(f"{x}.down_proj.weight", (h, e_inter), "erow", layer, e)
+        if self.num_shared_experts:
+            yield from _mlp(f"{m}.shared_experts", h, e_inter * self.num_shared_experts, layer)
+        if self.shared_expert_intermediate_size:
+            yield from _mlp(f"{m}.shared_expert", h, self.shared_expert_intermediate_size, layer)
+            yield ParamShape(f"{m}.shared_expert_gate.weight", (1, h), "rep", layer)
+
+    @cached_property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params())
+
+    @cached_property
+    def num_tensors(self) -> int:
+        return sum(1 for _ in self.params())
+
+    @property
+    def num_stored_layers(self) -> int:
+        """Decoder layers plus MTP layers: what pipeline stages divide."""
+        return self.num_layers + self.num_mtp_layers
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "params": self.num_params, "tensors": self.num_tensors,
+                "layers": self.num_layers, "mtp_layers": self.num_mtp_layers, "experts": self.num_experts,
+                "dtype": self.dtype}
+
+
+def _mlp(p: str, h: int, inter: int, layer: int) -> Iterator[ParamShape]:
+    yield ParamShape(f"{p}.gate_proj.weight", (inter, h), "col", layer)
+    yield ParamShape(f"{p}.up_proj.weight", (inter, h), "col", layer)
+    yield ParamShape(f"{p}.down_proj.weight", (h, inter), "row", layer)
+
+
+# -- built-in models (values from each model's published config.json) ---------------------
+
+def _llama3(name: str, hidden: int, layers: int, heads: int, inter: int) -> ModelSpec:
+    return ModelSpec(name=name, vocab_size=128256, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                     num_kv_heads=8, head_dim=128, intermediate_size=inter)
+
+
+def _deepseek(name: str, *, heads: int, experts: int, vocab: int, dense: int, mtp: int) -> ModelSpec:
+    return ModelSpec(name=name, vocab_size=vocab, hidden_size=7168, num_layers=61, num_heads=heads,
+                     num_kv_heads=heads, head_dim=128, intermediate_size=18432, num_experts=experts,
+                     moe_intermediate_size=2048, num_shared_experts=1, first_dense_layers=dense, router_bias=True,
+                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                     v_head_dim=128, num_mtp_layers=mtp)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "llama3-8b": _llama3("llama3-8b", 4096, 32, 32, 14336),
+    "llama3-70b": _llama3("llama3-70b", 8192, 80, 64, 28672),
+    "qwen3-235b-a22b": ModelSpec(
+        name="qwen3-235b-a22b", vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+        head_dim=128, intermediate_size=12288, qk_norm=True, num_experts=128, moe_intermediate_size=1536),
+    "deepseek-v3": _deepseek("deepseek-v3", heads=128, experts=256, vocab=129280, dense=3, mtp=1),
+    "kimi-k2": _deepseek("kimi-k2", heads=64, experts=384, vocab=163840, dense=1, mtp=0),
+}
+_ALIASES = {
+    "llama-3-8b": "llama3-8b", "meta-llama-3-8b": "llama3-8b", "llama3.1-8b": "llama3-8b",
+    "llama-3-70b": "llama3-70b", "meta-llama-3-70b": "llama3-70b", "llama3.1-70b": "llama3-70b",
+    "qwen3-235b": "qwen3-235b-a22b", "deepseek-v3-base": "deepseek-v3", "deepseekv3": "deepseek-v3",
+    "kimi-k2-instruct": "kimi-k2", "kimik2": "kimi-k2",
+}
+
+
+def get_model(name_or_path: str, *, dtype: str | None = None) -> ModelSpec:
+    """A built-in model by name (case-insensitive), or a ``config.json`` (or a folder holding one)."""
+    key = name_or_path.lower().replace("_", "-").split("/")[-1]
+    key = _ALIASES.get(key, key)
+    spec = MODELS.get(key)
+    if spec is None:
+        path = name_or_path
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise RefitError(f"unknown model {name_or_path!r}: give one of {sorted(MODELS)} or a config.json path")
+        spec = load_hf_config(path)
+    if dtype is not None:
+        spec = _replace(spec, dtype=dtype)
+    return spec
+
+
+def _replace(spec: ModelSpec, **changes) -> ModelSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, **changes)
+
+
+def load_hf_config(config: str | os.PathLike | Mapping[str, Any], *, name: str | None = None) -> ModelSpec:
+    """A ``ModelSpec`` from a Hugging Face ``config.json`` (a path or the parsed dict).
+
+    Reads the Llama / Mistral / Qwen2 / Qwen3 (dense and MoE) / Mixtral / DeepSeek-V2/V3 /
+    Kimi-K2 families; a multimodal wrapper's ``text_config`` is read in its place.
+    """
+    if not isinstance(config, Mapping):
+        with open(config) as f:
+            cfg = json.load(f)
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(config))) or "model"
+    else:
+        cfg = dict(config)
+    if isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg, **cfg["text_config"]}
+    model_type = str(cfg.get("model_type", ""))
+    name = name or cfg.get("_name_or_path") or model_type or "model"
+
+    def need(key: str) -> int:
+        if key not in cfg or cfg[key] is None:
+            raise RefitError(f"{name}: config.json has no {key!r}")
+        return int(cfg[key])
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        dtype = "bfloat16"
+    fields: dict[str, Any] = dict(
+        name=str(name), vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=model_type.startswith("qwen3"), attention_bias=bool(cfg.get("attention_bias", False))
+        or model_type in ("qwen2", "qwen2_moe"), dtype=dtype,
+    )
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts:
+        fields.update(num_experts=experts,
+                      moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")))
+        if "num_local_experts" in cfg and "n_routed_experts" not in cfg and "num_experts" not in cfg:
+            fields["expert_naming"] = "mixtral"
+        if "first_k_dense_replace" in cfg:
+            fields["first_dense_layers"] = int(cfg.get("first_k_dense_replace") or 0)
+            fields["moe_layer_freq"] = int(cfg.get("moe_layer_freq") or 1)
+        elif cfg.get("mlp_only_layers"):
+            raise RefitError(f"{name}: mlp_only_layers is not supported; list the layers as a dense prefix")
+        else:
+            fields["moe_layer_freq"] = int(cfg.get("decoder_sparse_step") or 1)
+            fields["moe_layer_offset"] = 1
+        fields["num_shared_experts"] = int(cfg.get("n_shared_experts") or 0)
+        fields["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+        fields["router_bias"] = cfg.get("topk_method") == "noaux_tc"
+    if cfg.get("kv_lora_rank"):
+        fields.update(q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+                      kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=need("qk_nope_head_dim"),
+                      qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
+                      num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+    return ModelSpec(**fields)

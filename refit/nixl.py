@@ -1,0 +1,1119 @@
+"""One-sided NIXL transport: the same per-rank plans, moved by WRITEs with notifications.
+
+The gloo / NCCL transport (``refit.transport``) runs a plan as matched send/recv pairs
+on a communicator, so every refit needs both ends inside one collective library. This
+transport moves the same ``RankPlan`` with NIXL (UCX today, RDMA where the hardware has
+it): each source WRITEs straight into buffers its receivers registered once, and no
+collective, barrier or process group is touched on the refit path.
+
+Setup, once per plan (and again only when the plan or the membership changes):
+
+    t = NixlTransport(rank, device=dev)
+    t.prepare(plan, src, dst)           # register send / receive buffers (once)
+    entry = t.local_roster_entry()      # agent metadata + this rank's receive descriptors
+    ... the controller gathers every rank's entry and relays the roster ...
+    t.update_membership(roster, epoch)  # load new peers point to point; cached from now on
+
+or, where a process group is at hand, ``t.handshake(group)`` does the three steps with one
+``all_gather_object``. Then every refit is ``t.run(src, dst)``:
+
+1. every receiver sends each of its sources a *ready* notification (its receive buffers
+   are free: it finished unpacking the previous refit);
+2. every source makes its data ready (CUDA work done, blocks packed into its registered
+   staging), waits for *ready* from each receiver, and WRITEs to it; each WRITE carries a
+   *data* notification, delivered after its bytes landed;
+3. every receiver waits for the data notifications of its sources and unpacks.
+
+Notifications carry the membership epoch and the refit sequence number (which restarts
+at 0 with each epoch), so a late message from an aborted refit or an old membership is
+never taken for a current one, and a node that joined later is in step at its first
+refit. The *ready* message also carries the digest of the receiver's descriptor map: a
+source whose cached map is older raises ``NixlHandshakeError`` instead of writing into
+memory the receiver no longer owns, and so does a receiver whose destination tensors
+moved since the handshake.
+
+Every wait has a deadline (``timeout_s``, or the one ``RefitAbortWatchdog`` hands to
+``set_deadline``), and a peer that stays silent is probed with a tiny notification, which
+fails at once when its process is gone: a dead receiver makes its sources raise
+``RefitAborted`` naming it, a dead source does the same to its receivers. After
+``update_membership`` without the dead node (and a plan rebuilt for the smaller world),
+the next refit runs normally.
+
+Buffers: a bucket that is one contiguous block with no cast is written straight from the
+source tensor into the destination tensor (both registered where they live: zero copies);
+the others go through one registered staging region per peer, sized by the plan's buckets
+for that peer. Staging is held for the life of the plan, so a rank holds at most the bytes
+it sends plus the bytes it receives that are not zero-copy (``TransferStats.
+staging_capacity_bytes`` reports it).
+
+Install the extra with ``pip install 'refit[nixl]'`` (NVIDIA's ``nixl-cu13`` wheel; the
+``nixl-cu12`` or ``nixl`` packages work too). ``docs/nixl.md`` says when to pick it over NCCL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from refit.errors import PlanError, RefitError, TransportError
+from refit.plan import Bucket, RankPlan
+from refit.transport import TransferStats, _direct_view, checksum, pack_bucket, unpack_bucket
+from refit.watchdog import RefitAborted
+
+__all__ = [
+    "NixlHandshakeError",
+    "NixlRosterEntry",
+    "NixlTransport",
+    "NixlUnavailable",
+    "gpu_ucx_tls",
+    "load_nixl",
+    "nixl_available",
+]
+
+log = logging.getLogger(__name__)
+
+NIXL_MODULES = ("nixl._api", "nixl_cu13", "nixl_cu12")
+INSTALL_HINT = "pip install 'refit[nixl]' (NVIDIA's nixl-cu13 wheel; nixl-cu12 for CUDA 12)"
+GPU_TLS = ("cuda_copy", "cuda_ipc")
+DEFAULT_CHUNK_BYTES = 256 << 20  # bytes per WRITE: packing chunk i+1 overlaps the wire of chunk i
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_PROBE_S = 0.25  # a silent peer is probed this often, so a dead one is noticed at once
+_ALIGN = 256
+_TAG = b"rfx1"
+
+
+class NixlUnavailable(RefitError, ImportError):
+    """The NIXL Python package is not installed."""
+
+
+class NixlHandshakeError(TransportError):
+    """The cached handshake does not match the buffers or the plan: a new one is needed."""
+
+
+class _PeerFailed(Exception):
+    def __init__(self, peer: int, why: str):
+        super().__init__(why)
+        self.peer = peer
+        self.why = why
+
+
+def load_nixl():
+    """The NIXL Python API module (``nixl_agent``, ``nixl_agent_config``), whichever wheel provides it."""
+    errors = []
+    for name in NIXL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+            continue
+        if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
+            return mod
+        errors.append(f"{name}: no nixl_agent")
+    raise NixlUnavailable(f"the NIXL transport needs NIXL: {INSTALL_HINT} ({'; '.join(errors)})")
+
+
+def nixl_available() -> bool:
+    try:
+        load_nixl()
+    except NixlUnavailable:
+        return False
+    return True
+
+
+def gpu_ucx_tls(tls: str | None) -> str | None:
+    """The ``UCX_TLS`` to use with GPU tensors: a host-only list gets ``cuda_copy,cuda_ipc`` added.
+
+    UCX takes GPU memory only through its CUDA transports; a list such as ``tcp`` or
+    ``rc,sm`` would make it treat device pointers as host memory and crash. Unset, an
+    exclusion list (``^...``), ``all`` or a list naming any CUDA transport is left alone.
+    """
+    if tls is None or not tls.strip():
+        return tls
+    text = tls.strip()
+    if text.startswith("^"):
+        return tls
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if any(p == "all" or p.startswith(("cuda", "gdr", "rocm")) for p in parts):
+        return tls
+    return ",".join(parts + list(GPU_TLS))
+
+
+def _apply_gpu_tls(environ=os.environ) -> None:
+    old = environ.get("UCX_TLS")
+    new = gpu_ucx_tls(old)
+    if new != old:
+        environ["UCX_TLS"] = new
+        log.warning("UCX_TLS=%s is host-only; using %s so GPU tensors can move", old, new)
+
+
+# -- the roster ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NixlRosterEntry:
+    """What a rank tells every other rank once: who it is and where to write to it.
+
+    ``recv_descs`` maps ``(source rank, bucket index)`` of each bucket this rank receives
+    to ``(address, length, device)`` in its registered memory (``mem_type`` "DRAM" or
+    "VRAM"). ``digest`` names this registration; a source compares it with the one each
+    *ready* notification carries.
+    """
+
+    rank: int
+    agent_name: str
+    metadata: bytes
+    mem_type: str
+    recv_descs: dict[tuple[int, int], tuple[int, int, int]]
+    digest: str
+
+    def __repr__(self) -> str:  # metadata is a few KB of binary
+        return (f"NixlRosterEntry(rank={self.rank}, agent={self.agent_name!r}, {len(self.recv_descs)} recv "
+                f"descriptors, digest={self.digest})")
+
+
+def _digest(agent_name: str, mem_type: str, descs: Mapping[tuple[int, int], tuple[int, int, int]]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{agent_name}|{mem_type}|".encode())
+    for key in sorted(descs):
+        h.update(repr((key, descs[key])).encode())
+    return h.hexdigest()
+
+
+# -- per-pair bookkeeping -------------------------------------------------------------------------
+
+@dataclass
+class _Chunk:
+    """Consecutive buckets of one pair, written by one WRITE with one data notification."""
+
+    peer: int
+    pos: int  # chunk number within the pair
+    lo: int  # first bucket position (in the pair's buckets sorted by index)
+    hi: int  # one past the last
+    nbytes: int
+
+
+@dataclass
+class _Slot:
+    """Where one bucket lives on this rank: a staging offset, or the tensor itself."""
+
+    bucket: Bucket
+    staging: torch.Tensor | None  # the pair's staging region, or None when direct
+    offset: int = 0
+    addr: int = 0  # direct: the view's address at prepare time
+    temp: torch.Tensor | None = None  # a corrupted copy to write instead (fault injection)
+
+    def view(self) -> torch.Tensor:
+        return self.staging[self.offset: self.offset + self.bucket.nbytes]
+
+
+@dataclass(eq=False)
+class _Pair:
+    peer: int
+    slots: list[_Slot] = field(default_factory=list)  # sorted by bucket index
+    chunks: list[_Chunk] = field(default_factory=list)
+    staging: torch.Tensor | None = None
+    sig: tuple = ()  # the buckets and in-place addresses it was built for
+    regs: set[int] = field(default_factory=set)  # registered storages it uses
+
+
+@dataclass
+class _Remote:
+    entry: NixlRosterEntry
+
+
+def _device_index(device: torch.device) -> int:
+    return (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 0
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _checksum(buf: torch.Tensor) -> int:
+    """``refit.transport.checksum`` of a byte view that may start off a 4-byte boundary."""
+    return checksum(buf if buf.storage_offset() % 4 == 0 else buf.clone())
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _chunks(peer: int, slots: Sequence[_Slot], chunk_bytes: int) -> list[_Chunk]:
+    out, lo, size = [], 0, 0
+    for i, s in enumerate(slots):
+        size += s.bucket.nbytes
+        if size >= chunk_bytes or i == len(slots) - 1:
+            out.append(_Chunk(peer, len(out), lo, i + 1, size))
+            lo, size = i + 1, 0
+    return out
+
+
+# -- the transport ---------------------------------------------------------------------------------
+
+class NixlTransport:
+    """Runs one rank's ``RankPlan`` with NIXL one-sided WRITEs; see the module docstring.
+
+    Args:
+        rank: this rank's id in the plans and rosters.
+        device: where this rank's tensors live (inferred from the tensors at ``prepare``
+            when None). For CUDA, a host-only ``UCX_TLS`` gets the CUDA transports added
+            before the NIXL agent starts.
+        agent_name: unique per rank AND per incarnation; the default adds a random suffix
+            to the rank, since separate worlds (a trainer's and an engine's) each have a
+            rank 0, and a restarted rank must not be mistaken for the one it replaces.
+        timeout_s: default deadline of one ``run`` (``run(timeout_s=...)`` and
+            ``set_deadline`` override it).
+        chunk_bytes: bytes per WRITE (and data notification) to one peer.
+        direct: write from / into the tensors themselves when a bucket is one contiguous
+            block with no cast (registers the tensors' storage).
+        verify: record per-bucket checksums in the returned ``TransferStats``.
+        progress_thread: NIXL's progress thread (it spins a core; the refit loop drives
+            progress itself, so it is off by default).
+        backends: NIXL backends to create (``["UCX"]``).
+    """
+
+    def __init__(self, rank: int, *, device: torch.device | str | None = None, agent_name: str | None = None,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 direct: bool = True, verify: bool = False, progress_thread: bool = False,
+                 backends: Sequence[str] = ("UCX",), probe_interval_s: float = DEFAULT_PROBE_S):
+        if chunk_bytes < 1:
+            raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.rank = int(rank)
+        self.agent_name = agent_name or f"refit-nixl-r{self.rank}-{uuid.uuid4().hex[:12]}"
+        self.device = torch.device(device) if device is not None else None
+        self.timeout_s = timeout_s
+        self.chunk_bytes = int(chunk_bytes)
+        self.direct = direct
+        self.verify = verify
+        self.probe_interval_s = probe_interval_s
+        self._progress_thread = progress_thread
+        self._backends = list(backends)
+        self._nixl = load_nixl()
+        self.agent = None
+        self.plan: RankPlan | None = None
+        self.epoch = -1
+        self.seq = 0
+        self.runs = 0
+        self._mem_type = "DRAM"
+        self._dev = 0
+        self._sends: dict[int, _Pair] = {}
+        self._recvs: dict[int, _Pair] = {}
+        self._regs: dict[int, tuple[Any, Any]] = {}  # storage ptr -> (registration, keep-alive)
+        self._recv_descs: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._local_digest = ""
+        self._installed_digest: str | None = None
+        self._remotes: dict[int, _Remote] = {}  # plan peers by rank, from the installed roster
+        self._loaded: dict[str, bytes] = {}  # remote agents loaded into NIXL: name -> metadata
+        self._handles: dict[tuple[int, int], tuple[tuple, Any]] = {}
+        self._inbox: dict[tuple[bytes, int, int, int], list[tuple[str, bytes]]] = {}
+        self._src: Mapping[str, torch.Tensor] = {}
+        self._dst: Mapping[str, torch.Tensor] = {}
+        self._aborted = threading.Event()
+        self._deadline: float | None = None
+        self._closed = False
+        if self.device is not None:
+            self._start(self.device)
+
+    # -- agent and memory --------------------------------------------------------------------
+    def _start(self, device: torch.device) -> None:
+        if self.agent is not None:
+            return
+        if device.type == "cuda":
+            _apply_gpu_tls()
+        cfg = self._nixl.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=self._backends)
+        self.agent = self._nixl.nixl_agent(self.agent_name, cfg)
+        self.device = device
+        self._mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        self._dev = _device_index(device)
+
+    def _register(self, t: torch.Tensor) -> int:
+        """Register the storage under ``t`` once; return its address."""
+        ptr, nbytes = _storage_span(t)
+        if ptr not in self._regs and nbytes:
+            reg = self.agent.register_memory([(ptr, nbytes, self._dev, "")], self._mem_type)
+            self._regs[ptr] = (reg, t.untyped_storage())
+        return ptr
+
+    def _deregister(self, ptrs) -> None:
+        for ptr in list(ptrs):
+            got = self._regs.pop(ptr, None)
+            if got is not None:
+                try:
+                    self.agent.deregister_memory(got[0])
+                except Exception as e:  # noqa: BLE001 - best effort: the memory goes anyway
+                    log.warning("NIXL deregister of 0x%x failed: %s", ptr, e)
+
+    def _release_handles(self, peer: int | None = None) -> None:
+        for key in [k for k in self._handles if peer is None or k[0] == peer]:
+            _, h = self._handles.pop(key)
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse release
+                pass
+
+    # -- setup ------------------------------------------------------------------------------
+    def prepare(self, plan: RankPlan, src: Mapping[str, torch.Tensor] | None = None,
+                dst: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Register this rank's send and receive buffers for ``plan`` (replacing any earlier plan).
+
+        ``src`` / ``dst`` are this rank's local tensors by param name; with ``direct``,
+        buckets that are one contiguous block are registered in place, so ``dst`` must be
+        the tensors the weights land in at every ``run``. Peers learn of the new buffers
+        only through ``local_roster_entry`` + ``update_membership``: until then ``run``
+        raises ``NixlHandshakeError``.
+        """
+        self._check_open()
+        if plan.rank != self.rank:
+            # the controller renumbers ranks when the membership changes: the agent stays, the
+            # rank in the plans, descriptors and notifications follows the plan
+            self._release_handles()
+            self._sends, self._recvs = {}, {}
+            self.rank = plan.rank
+        if plan.fanout and (plan.gather_sends or plan.gather_recvs):
+            raise PlanError("the NIXL transport runs plans without replica fan-out (build_rank_plan(fanout=False))")
+        src, dst = dict(src or {}), dict(dst or {})
+        device = self.device
+        if device is None:
+            device = next((t.device for t in [*src.values(), *dst.values()]), torch.device("cpu"))
+        for name, t in [*src.items(), *dst.items()]:
+            if t.device.type != device.type:
+                raise PlanError(f"{name}: on {t.device}, but this NIXL transport moves {device} tensors")
+        self._start(device)
+        before = set(self._regs)
+        old_sends, old_recvs = self._sends, self._recvs
+        used: set[int] = set()
+        self.plan = plan
+        self._src, self._dst = src, dst
+        self._sends = self._pairs(plan.sends, src, "src", old_sends, used)
+        self._recvs = self._pairs(plan.recvs, dst, "dst", old_recvs, used)
+        for peer, pair in old_sends.items():
+            if self._sends.get(peer) is not pair:
+                self._release_handles(peer)
+        self._deregister(before - used)
+        self._recv_descs = {}
+        for peer, pair in self._recvs.items():
+            for s in pair.slots:
+                addr = s.addr if s.staging is None else s.staging.data_ptr() + s.offset
+                self._recv_descs[(peer, s.bucket.index)] = (addr, s.bucket.nbytes, self._dev)
+        self._local_digest = _digest(self.agent_name, self._mem_type, self._recv_descs)
+
+    def _pairs(self, buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], side: str,
+               old: Mapping[int, _Pair], used: set[int]) -> dict[int, _Pair]:
+        """One ``_Pair`` per peer; a pair whose buckets and in-place addresses did not change
+        keeps its staging and registrations (so its peer's cached handshake stays valid)."""
+        by_peer: dict[int, list[Bucket]] = {}
+        for b in buckets:
+            by_peer.setdefault(b.peer, []).append(b)
+        pairs = {}
+        for peer, bs in sorted(by_peer.items()):
+            bs.sort(key=lambda b: b.index)
+            views = []
+            for b in bs:
+                missing = sorted({op.name for op in b.ops} - set(tensors))
+                if missing:
+                    raise PlanError(f"rank {self.rank}: the plan {'sends' if side == 'src' else 'receives'} "
+                                    f"{missing} but no {side} tensor was given for it")
+                view = _direct_view(b, tensors, side) if self.direct else None
+                views.append(view if view is not None and view.numel() else None)
+            sig = tuple((b, None if v is None else v.data_ptr()) for b, v in zip(bs, views))
+            prev = old.get(peer)
+            if prev is not None and prev.sig == sig:
+                pairs[peer] = prev
+                used |= prev.regs
+                continue
+            pair = _Pair(peer, sig=sig)
+            size = 0
+            for b, view in zip(bs, views):
+                if view is not None:
+                    pair.regs.add(self._register(tensors[b.ops[0].name]))
+                    pair.slots.append(_Slot(b, None, 0, view.data_ptr()))
+                else:
+                    pair.slots.append(_Slot(b, None, size))
+                    size = _align(size + b.nbytes)
+            if size:
+                pair.staging = torch.zeros(size, dtype=torch.uint8, device=self.device)
+                pair.regs.add(self._register(pair.staging))
+                for slot in pair.slots:
+                    if slot.addr == 0:
+                        slot.staging = pair.staging
+            pair.chunks = _chunks(peer, pair.slots, self.chunk_bytes)
+            used |= pair.regs
+            pairs[peer] = pair
+        return pairs
+
+    def local_roster_entry(self) -> NixlRosterEntry:
+        """This rank's agent metadata and receive descriptors, for the controller to relay."""
+        self._check_open()
+        if self.plan is None or self.agent is None:
+            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before local_roster_entry()")
+        return NixlRosterEntry(self.rank, self.agent_name, bytes(self.agent.get_agent_metadata()), self._mem_type,
+                               dict(self._recv_descs), self._local_digest)
+
+    def update_membership(self, roster: Mapping[int, NixlRosterEntry], epoch: int) -> None:
+        """Install the roster of membership ``epoch`` (relayed by the controller to every rank).
+
+        Peers of this rank's plan that are new, or whose agent or registrations changed,
+        are loaded point to point; agents no longer in the roster are dropped. No
+        collective: a node that joins only needs the new roster and a plan that counts
+        it, and is in step at the next ``run`` (sequence numbers restart with the epoch).
+        """
+        self._check_open()
+        if self.plan is None:
+            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before update_membership()")
+        epoch = int(epoch)
+        if epoch <= self.epoch:
+            raise NixlHandshakeError(f"rank {self.rank}: a new roster needs a new epoch: got {epoch}, the installed "
+                                     f"one is {self.epoch}")
+        me = roster.get(self.rank)
+        if me is None or me.agent_name != self.agent_name or me.digest != self._local_digest:
+            have = "none" if me is None else f"{me.agent_name} digest {me.digest}"
+            raise NixlHandshakeError(
+                f"rank {self.rank}: the roster of epoch {epoch} carries a stale entry for this rank ({have}; this "
+                f"rank is {self.agent_name} digest {self._local_digest}): relay the local_roster_entry() taken "
+                "after the last prepare()")
+        peers = sorted(set(self._sends) | set(self._recvs))
+        missing = [p for p in peers if p not in roster]
+        if missing:
+            raise NixlHandshakeError(f"rank {self.rank}: the roster of epoch {epoch} lacks rank(s) {missing}, which "
+                                     "this rank's plan exchanges with; rebuild the plan for this membership")
+        for p, pair in self._sends.items():
+            e = roster[p]
+            mine = {k for k in e.recv_descs if k[0] == self.rank}
+            want = {(self.rank, s.bucket.index) for s in pair.slots}
+            bad = [s.bucket.index for s in pair.slots
+                   if e.recv_descs.get((self.rank, s.bucket.index), (0, -1))[1] != s.bucket.nbytes]
+            if mine != want or bad:
+                raise NixlHandshakeError(
+                    f"rank {self.rank}: rank {p}'s receive descriptors do not match this rank's plan (it expects "
+                    f"buckets {sorted(i for _, i in mine)}, this rank sends {sorted(i for _, i in want)}, sizes differ "
+                    f"for {bad}): every rank must build its plan from the same rosters before the handshake")
+        wanted = {roster[p].agent_name for p in peers}
+        for name in [n for n in self._loaded if n not in wanted]:
+            self._drop_agent(name)
+        for p in peers:
+            e = roster[p]
+            if self._loaded.get(e.agent_name) != e.metadata:
+                try:
+                    name = self.agent.add_remote_agent(e.metadata)
+                except Exception as err:  # noqa: BLE001
+                    raise NixlHandshakeError(f"rank {self.rank}: could not load the NIXL metadata of rank {p} "
+                                             f"({e.agent_name}): {err}") from err
+                name = name.decode() if isinstance(name, bytes) else name
+                if name != e.agent_name:
+                    raise NixlHandshakeError(f"rank {self.rank}: rank {p}'s metadata names agent {name!r}, its roster "
+                                             f"entry {e.agent_name!r}")
+                self._loaded[e.agent_name] = e.metadata
+        for p in set(self._remotes) | set(peers):
+            old = self._remotes.get(p)
+            if old is None or p not in peers or old.entry != roster[p]:
+                self._release_handles(p)
+        self._remotes = {p: _Remote(roster[p]) for p in peers}
+        self.epoch = epoch
+        self.seq = 0
+        self._installed_digest = self._local_digest
+        self._aborted.clear()
+        self._inbox = {k: v for k, v in self._inbox.items() if k[1] >= epoch}
+
+    def _drop_agent(self, name: str) -> None:
+        self._loaded.pop(name, None)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:  # noqa: BLE001 - a dead agent may be gone already
+            log.debug("remove_remote_agent(%s): %s", name, e)
+
+    def handshake(self, exchange: Any, *, epoch: int | None = None) -> dict[int, NixlRosterEntry]:
+        """The one-time handshake: gather every rank's entry through ``exchange`` and install it.
+
+        ``exchange`` is anything with ``all_gather_object`` (a ``StatelessProcessGroup``, a
+        torch group wrapper) or a callable ``entry -> list of entries``; it is used once
+        here, never by ``run``. Every rank of the exchange calls this (a rank with nothing
+        to move passes its empty plan). Returns the roster.
+        """
+        entry = self.local_roster_entry()
+        gather = getattr(exchange, "all_gather_object", None)
+        gathered = gather(entry) if gather is not None else exchange(entry)
+        roster = {e.rank: e for e in gathered if e is not None}
+        self.update_membership(roster, self.epoch + 1 if epoch is None else epoch)
+        return roster
+
+    # -- deadline and abort (the watchdog's interface) ----------------------------------------
+    def set_deadline(self, deadline: float | None) -> None:
+        """``time.monotonic()`` by which ``run`` must end (``RefitAbortWatchdog`` sets it)."""
+        self._deadline = deadline
+
+    def abort(self) -> None:
+        """Make a ``run`` in progress raise ``RefitAborted`` now (idempotent; thread-safe).
+
+        The transport stays unusable until ``update_membership`` installs a new roster.
+        """
+        self._aborted.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    # -- notifications -------------------------------------------------------------------------
+    def _msg(self, kind: bytes, seq: int, extra: str = "") -> bytes:
+        return b"|".join((_TAG, kind, str(self.epoch).encode(), str(seq).encode(), str(self.rank).encode(),
+                          extra.encode()))
+
+    def _notify(self, peer: int, msg: bytes, what: str, seq: int) -> None:
+        name = self._remotes[peer].entry.agent_name
+        try:
+            self.agent.send_notif(name, msg)
+        except Exception as e:  # noqa: BLE001 - a dead peer's endpoint fails here
+            raise _PeerFailed(peer, f"unreachable while sending {what}: {type(e).__name__}: {e}") from None
+
+    def _poll(self, seq: int) -> int:
+        """Move new notifications into the inbox; drop those of older epochs or refits."""
+        got = self.agent.get_new_notifs()
+        n = 0
+        for sender, msgs in got.items():
+            sender = sender.decode() if isinstance(sender, bytes) else sender
+            for m in msgs:
+                parts = bytes(m).split(b"|", 5)
+                if len(parts) != 6 or parts[0] != _TAG or parts[1] == b"P":
+                    continue
+                try:
+                    key = (parts[1], int(parts[2]), int(parts[3]), int(parts[4]))
+                except ValueError:
+                    continue
+                if (key[1], key[2]) < (self.epoch, seq):
+                    continue  # a refit that is over (or an aborted one)
+                self._inbox.setdefault(key, []).append((sender, parts[5]))
+                n += 1
+        return n
+
+    def _take(self, kind: bytes, seq: int, peer: int) -> list[bytes]:
+        msgs = self._inbox.pop((kind, self.epoch, seq, peer), [])
+        name = self._remotes[peer].entry.agent_name
+        return [extra for sender, extra in msgs if sender == name]
+
+    def _where(self, seq: int) -> str:
+        return f"NIXL refit (epoch {self.epoch}, seq {seq}) on rank {self.rank}"
+
+    # -- one refit --------------------------------------------------------------------------------
+    def run(self, src: Mapping[str, torch.Tensor] | None = None, dst: Mapping[str, torch.Tensor] | None = None,
+            *, timeout_s: float | None = None, verify: bool | None = None,
+            corrupt: Callable[[Bucket, torch.Tensor], None] | None = None) -> TransferStats:
+        """One refit of the prepared plan; returns this rank's ``TransferStats``.
+
+        Raises ``RefitAborted`` (naming the peer) when a peer stays silent past the
+        deadline, is gone, or a WRITE fails; ``NixlHandshakeError`` when buffers changed
+        without a new handshake. ``corrupt`` (tests) mutates a bucket's bytes after its
+        checksum was taken. ``verify`` overrides the constructor's for this refit.
+        """
+        self._check_open()
+        if self.plan is None:
+            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before run()")
+        if self._installed_digest is None or self.epoch < 0:
+            raise NixlHandshakeError(f"rank {self.rank}: no handshake yet: relay local_roster_entry() through "
+                                     "update_membership() (or call handshake()) before run()")
+        if self._installed_digest != self._local_digest:
+            raise NixlHandshakeError(f"rank {self.rank}: receive buffers were registered again since the roster of "
+                                     f"epoch {self.epoch} was installed; relay the new local_roster_entry() with "
+                                     "update_membership() before run()")
+        if self._aborted.is_set():
+            raise RefitAborted(f"rank {self.rank}: this NIXL transport was aborted; install a new membership "
+                               "(update_membership) before the next refit")
+        src = self._src if src is None else src
+        dst = self._dst if dst is None else dst
+        self._check_dst(dst)
+        verify = self.verify if verify is None else verify
+        seq = self.seq
+        self.seq += 1
+        self.runs += 1
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if limit is None else now + limit
+        if self._deadline is not None:
+            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
+        stats = TransferStats()
+        stats.staging_capacity_bytes = sum(p.staging.numel() for p in [*self._sends.values(), *self._recvs.values()]
+                                           if p.staging is not None)
+        stats.peak_staging_bytes = stats.staging_capacity_bytes
+        cuda = self.device.type == "cuda"
+        if cuda:
+            # the caller's work on the source tensors is done, and nothing still reads the
+            # receive buffers (staging, or destination tensors written in place)
+            torch.cuda.current_stream(self.device).synchronize()
+        failed: dict[int, str] = {}  # peer -> why; its work is dropped, the other peers' goes on
+        # 1. receivers: tell every source the buffers are free
+        for peer in self._recvs:
+            try:
+                self._notify(peer, self._msg(b"R", seq, self._local_digest), "'ready'", seq)
+            except _PeerFailed as e:
+                failed[peer] = e.why
+        for op in self.plan.local:
+            dst[op.name][op.box.dst_slices()].copy_(src[op.name][op.box.src_slices()])
+            stats.local_bytes += op.nbytes
+        # 2. sources: pack (chunk by chunk), post each chunk once its receiver is ready
+        to_pack = [(p, c) for p in self._sends.values() for c in p.chunks if p.peer not in failed]
+        ready: set[int] = set()
+        queued: list[tuple[_Pair, _Chunk, Any]] = []  # packed, waiting for 'ready' or the CUDA event
+        posted: dict[tuple[int, int], Any] = {}
+        # 3. receivers: buckets still to land, by source (positions in the pair's buckets)
+        awaiting = {p: set(range(len(pair.slots))) for p, pair in self._recvs.items()
+                    if pair.slots and p not in failed}
+        temps: list[int] = []
+        last_probe = time.monotonic()
+        idle = 0
+
+        def fail(peer: int, why: str) -> None:
+            failed.setdefault(peer, why)
+            nonlocal to_pack, queued
+            to_pack = [(p, c) for p, c in to_pack if p.peer != peer]
+            queued = [q for q in queued if q[0].peer != peer]
+            for key in [k for k in posted if k[0] == peer]:
+                del posted[key]
+            awaiting.pop(peer, None)
+
+        try:
+            while to_pack or queued or posted or awaiting:
+                progress = self._poll(seq)
+                for peer in self._sends:
+                    if peer in ready or peer in failed:
+                        continue
+                    for extra in self._take(b"R", seq, peer):
+                        want = self._remotes[peer].entry.digest
+                        if extra.decode() != want:
+                            raise NixlHandshakeError(
+                                f"{self._where(seq)}: receiver rank {peer} registered new receive buffers (its 'ready' "
+                                f"carries digest {extra.decode()}, the installed roster has {want}); relay its "
+                                "local_roster_entry() with update_membership() before the next refit")
+                        ready.add(peer)
+                        progress += 1
+                if to_pack:
+                    pair, chunk = to_pack.pop(0)
+                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, stats, corrupt, temps, verify)))
+                    progress += 1
+                for item in list(queued):
+                    pair, chunk, event = item
+                    if pair.peer in ready and (event is None or event.query()):
+                        queued.remove(item)
+                        try:
+                            posted[(pair.peer, chunk.pos)] = self._post(pair, chunk, src, seq)
+                        except _PeerFailed as e:
+                            fail(pair.peer, e.why)
+                        progress += 1
+                for key in list(posted):
+                    if key not in posted:
+                        continue
+                    try:
+                        state = self._state(posted[key], key[0], seq)
+                    except _PeerFailed as e:
+                        fail(key[0], e.why)
+                        continue
+                    if state == "DONE":
+                        del posted[key]
+                        chunk = self._sends[key[0]].chunks[key[1]]
+                        stats.bytes_sent += chunk.nbytes
+                        stats.buckets_sent += chunk.hi - chunk.lo
+                        progress += 1
+                for peer in list(awaiting):
+                    for extra in self._take(b"D", seq, peer):
+                        lo, hi = (int(x) for x in extra.split(b"-"))
+                        pending = awaiting[peer]
+                        if not set(range(lo, hi)) <= pending:
+                            raise NixlHandshakeError(f"{self._where(seq)}: source rank {peer} wrote buckets "
+                                                     f"[{lo}, {hi}) of the pair, which this rank does not expect "
+                                                     "(again, or at all)")
+                        self._unpack(self._recvs[peer], lo, hi, dst, stats, verify)
+                        pending.difference_update(range(lo, hi))
+                        if not pending:
+                            del awaiting[peer]
+                        progress += 1
+                if progress:
+                    idle = 0
+                    continue
+                now = time.monotonic()
+                if self._aborted.is_set():
+                    raise RefitAborted(self._where(seq) + ": aborted; "
+                                       + self._missing(ready, queued, posted, awaiting, failed))
+                if deadline is not None and now >= deadline:
+                    raise RefitAborted(self._where(seq) + f": deadline of {limit:g}s passed; "
+                                       + self._missing(ready, queued, posted, awaiting, failed))
+                if now - last_probe >= self.probe_interval_s:
+                    last_probe = now
+                    silent = {pair.peer for pair, _, _ in queued if pair.peer not in ready}
+                    silent |= set(awaiting)
+                    for peer in sorted(silent):
+                        try:
+                            self._notify(peer, self._msg(b"P", seq), "a liveness probe", seq)
+                        except _PeerFailed as e:
+                            fail(peer, e.why)
+                idle += 1
+                time.sleep(min(1e-3, 2e-6 * (1 << min(idle, 10))))
+            if cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            if temps:
+                for key in [k for k, (descs, _) in self._handles.items() if any(d[0] in temps for d in descs)]:
+                    self._release_handles_key(key)
+                self._deregister(temps)
+        if failed:
+            raise RefitAborted(self._where(seq) + ": " + "; ".join(
+                f"rank {p} ({self._remotes[p].entry.agent_name}) failed: {why}" for p, why in sorted(failed.items()))
+                + ". The other peers' transfers completed.")
+        stats.zero_copy_buckets = sum(s.staging is None for p in [*self._sends.values(), *self._recvs.values()]
+                                      for s in p.slots)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _missing(self, ready, queued, posted, awaiting, failed) -> str:
+        parts = [f"rank {p} ({self._remotes[p].entry.agent_name}) failed: {why}" for p, why in sorted(failed.items())]
+        no_ready = sorted({pair.peer for pair, _, _ in queued if pair.peer not in ready})
+        if no_ready:
+            parts.append("no 'ready' from receiver rank(s) " + ", ".join(
+                f"{p} ({self._remotes[p].entry.agent_name})" for p in no_ready))
+        if posted:
+            parts.append(f"WRITEs to rank(s) {sorted({k[0] for k in posted})} not complete")
+        if awaiting:
+            parts.append("no data from source rank(s) " + ", ".join(
+                f"{p} ({self._remotes[p].entry.agent_name}: {len(left)} of {len(self._recvs[p].slots)} buckets "
+                "missing)" for p, left in sorted(awaiting.items())))
+        return "; ".join(parts) or "nothing outstanding"
+
+    def _check_dst(self, dst: Mapping[str, torch.Tensor]) -> None:
+        moved = []
+        for peer, pair in self._recvs.items():
+            for s in pair.slots:
+                if s.staging is not None:
+                    continue
+                name = s.bucket.ops[0].name
+                view = _direct_view(s.bucket, dst, "dst") if name in dst else None
+                if view is None or view.data_ptr() != s.addr:
+                    moved.append(name)
+        if moved:
+            raise NixlHandshakeError(
+                f"rank {self.rank}: receive addresses changed without a new handshake: destination tensor(s) "
+                f"{sorted(set(moved))[:8]} are not where they were registered; prepare() with the new tensors, then "
+                "relay local_roster_entry() with update_membership()")
+
+    def _pack_chunk(self, pair: _Pair, chunk: _Chunk, src, stats: TransferStats, corrupt, temps, verify: bool):
+        for s in pair.slots[chunk.lo: chunk.hi]:
+            b = s.bucket
+            if not b.nbytes:
+                continue
+            if s.staging is not None:
+                buf = pack_bucket(b, src, s.view())
+            else:
+                buf = _direct_view(b, src, "src")
+                if buf is None:
+                    raise PlanError(f"rank {self.rank}: {b.ops[0].name} is no longer contiguous in "
+                                    f"{b.ops[0].wire_dtype}; prepare() again with the new tensors")
+            if verify:
+                stats.checksums_sent[(b.peer, b.index)] = _checksum(buf)
+            if corrupt is not None:
+                if s.staging is None:  # never corrupt the caller's tensor: write from a copy instead
+                    buf = buf.clone()
+                    temps.append(self._register(buf))
+                    s.temp = buf
+                corrupt(b, buf)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return None
+
+    def _local_descs(self, pair: _Pair, chunk: _Chunk, src) -> list[tuple[int, int, int]]:
+        out = []
+        for s in pair.slots[chunk.lo: chunk.hi]:
+            b = s.bucket
+            if not b.nbytes:
+                continue
+            if s.staging is not None:
+                out.append((s.staging.data_ptr() + s.offset, b.nbytes, self._dev))
+                continue
+            tmp, s.temp = s.temp, None
+            if tmp is not None:
+                out.append((tmp.data_ptr(), b.nbytes, self._dev))
+                continue
+            view = _direct_view(b, src, "src")
+            ptr, _ = _storage_span(src[b.ops[0].name])
+            if ptr not in self._regs:  # the source tensor was replaced: register it (local only)
+                self._register(src[b.ops[0].name])
+            out.append((view.data_ptr(), b.nbytes, self._dev))
+        return out
+
+    def _post(self, pair: _Pair, chunk: _Chunk, src, seq: int) -> Any:
+        """WRITE one chunk to its receiver with its data notification; the handle is cached."""
+        peer = pair.peer
+        remote = self._remotes[peer].entry
+        msg = self._msg(b"D", seq, f"{chunk.lo}-{chunk.hi}")
+        if chunk.nbytes == 0:
+            self._notify(peer, msg, "a data notification", seq)
+            return None
+        local = self._local_descs(pair, chunk, src)
+        key = (peer, chunk.pos)
+        cached = self._handles.get(key)
+        if cached is None or cached[0] != tuple(local):
+            self._release_handles_key(key)
+            rdescs = [remote.recv_descs[(self.rank, s.bucket.index)] for s in pair.slots[chunk.lo: chunk.hi]
+                      if s.bucket.nbytes]
+            try:
+                h = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem_type),
+                                               self.agent.get_xfer_descs(rdescs, remote.mem_type),
+                                               remote.agent_name, b"")
+            except Exception as e:  # noqa: BLE001
+                raise _PeerFailed(peer, f"could not set up the WRITE: {type(e).__name__}: {e}") from None
+            self._handles[key] = (tuple(local), h)
+        h = self._handles[key][1]
+        try:
+            state = self.agent.transfer(h, msg)
+        except Exception as e:  # noqa: BLE001 - e.g. the receiver disconnected
+            self._release_handles_key(key)
+            raise _PeerFailed(peer, f"WRITE failed: {type(e).__name__}: {e}") from None
+        if state == "ERR":
+            self._release_handles_key(key)
+            raise _PeerFailed(peer, "WRITE failed to post (state ERR)")
+        return h
+
+    def _release_handles_key(self, key) -> None:
+        got = self._handles.pop(key, None)
+        if got is not None:
+            try:
+                self.agent.release_xfer_handle(got[1])
+            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse release
+                pass
+
+    def _state(self, h, peer: int, seq: int) -> str:
+        if h is None:
+            return "DONE"
+        try:
+            state = self.agent.check_xfer_state(h)
+        except Exception as e:  # noqa: BLE001
+            state, why = "ERR", f"{type(e).__name__}: {e}"
+        else:
+            why = "transfer state ERR"
+        if state == "ERR":
+            for key in [k for k, v in self._handles.items() if v[1] is h]:
+                self._release_handles_key(key)
+            raise _PeerFailed(peer, f"WRITE failed: {why}")
+        return state
+
+    def _unpack(self, pair: _Pair, lo: int, hi: int, dst, stats: TransferStats, verify: bool) -> None:
+        for s in pair.slots[lo: hi]:
+            b = s.bucket
+            if verify and b.nbytes:
+                buf = s.view() if s.staging is not None else _direct_view(b, dst, "dst")
+                stats.checksums_received[(b.peer, b.index)] = _checksum(buf)
+            if s.staging is not None:
+                unpack_bucket(b, s.view(), dst)
+            stats.bytes_received += b.nbytes
+            stats.buckets_received += 1
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release handles, peers and registrations (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.agent is None:
+            return
+        self._release_handles()
+        for name in list(self._loaded):
+            self._drop_agent(name)
+        self._remotes = {}
+        self._deregister(list(self._regs))
+        self.agent = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RefitError(f"NixlTransport of rank {self.rank} is closed")
+
+    def __enter__(self) -> "NixlTransport":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"NixlTransport(rank={self.rank}, agent={self.agent_name!r}, epoch={self.epoch})"
+
+
+
+# -- GPU benchmark: NIXL next to NCCL on the same plan, in the same run --------------------------
+
+GB = 1e9
+MIB = 1 << 20
+
+
+def _bench_rank(group, cfg: dict) -> dict:
+    """One rank of ``bench``: the 8B refit of ``refit.bench_gpu`` (HF trainer layout -> fused
+    vLLM engine layout, bf16), one plan, moved by the streamed NCCL executor and by NIXL."""
+    import math
+
+    from refit import bench_gpu as B
+    from refit.transport import PlanExecutor
+
+    dev = B._device(group)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+    model = dict(B.LLAMA3_8B, **cfg.get("model", {}))
+    model["layers"] = cfg["layers"]
+    names = B.hf_tensors(model)
+    bf16 = torch.bfloat16
+    src, dst = {}, {}
+    if group.rank == 0:
+        for i, (n, shape) in enumerate(names):
+            src[n] = torch.empty(shape, dtype=bf16, device=dev)
+            B.fill_pattern(src[n], cfg["seed"] + i)
+    else:
+        _, dst = B.fused_engine(model, bf16, dev)
+    out: dict[str, Any] = {"rank": group.rank, "bytes": sum(math.prod(s) for _, s in names) * 2,
+                           "tensors": len(names), "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
+    B._sync(dev)
+    plan, _ = B._make_plan(group, cfg, src, dst, cfg["bucket_mib"] * MIB)
+    out["plan"] = {"sends": len(plan.sends), "recvs": len(plan.recvs),
+                   "single_block": sum(len(b.ops) == 1 for b in plan.sends + plan.recvs)}
+
+    def poison():
+        for d in dst.values():
+            d.fill_(float("nan"))
+        B._sync(dev)
+
+    # NCCL, the streamed executor, on this plan
+    kw = dict(staging_budget_bytes=cfg["staging_mib"] * MIB, group_bytes=cfg["group_mib"] * MIB)
+    poison()
+    PlanExecutor(plan, group, pipeline="streamed", **kw).run(src, dst)
+    out["verify_nccl"] = B._verify(group, model, dst, cfg["seed"], bf16)
+    ex = PlanExecutor(plan, group, pipeline="streamed", sync=False, **kw)
+    out["nccl"] = B._timed_loop(group, lambda: ex.run(src, dst), cfg["iters"])
+    # NIXL: in place (the default), and with every bucket staged
+    for variant, direct in (("nixl", True), ("nixl_staged", False)):
+        if variant == "nixl_staged" and not cfg.get("staged", True):
+            continue
+        t0 = time.perf_counter()
+        t = NixlTransport(group.rank, device=dev, timeout_s=cfg["timeout_s"], direct=direct,
+                          chunk_bytes=cfg["chunk_mib"] * MIB)
+        try:
+            t.prepare(plan, src, dst)
+            t.handshake(group)  # the one collective, before any refit
+            res: dict[str, Any] = {"setup_s": time.perf_counter() - t0}
+            poison()
+            st = t.run(src, dst)
+            res.update(first_s=st.seconds, staging_bytes=st.staging_capacity_bytes, zero_copy=st.zero_copy_buckets)
+            res["verify"] = B._verify(group, model, dst, cfg["seed"], bf16)
+            res.update(B._timed_loop(group, lambda: t.run(src, dst), cfg["iters"]))
+            if group.rank == 0:  # fresh weights, poisoned destination, one more verified refit
+                for i, (n, _) in enumerate(names):
+                    B.fill_pattern(src[n], cfg["seed"] + 7 + i)
+            poison()
+            B._sync_barrier(group)
+            t.run(src, dst)
+            res["verify_fresh"] = B._verify(group, model, dst, cfg["seed"] + 7, bf16)
+            if group.rank == 0:
+                for i, (n, _) in enumerate(names):
+                    B.fill_pattern(src[n], cfg["seed"] + i)
+            B._sync_barrier(group)
+        except Exception as e:  # noqa: BLE001 - reported in the table rather than losing the NCCL figures
+            res = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            t.close()
+        out[variant] = res
+    return out
+
+
+def bench_summary(r0: dict, r1: dict) -> dict:
+    total = r1["bytes"]
+
+    def gbps(key, field="steady_s"):
+        a, b = r0.get(key, {}), r1.get(key, {})
+        if field not in a or field not in b:
+            return float("nan")
+        return total / max(a[field], b[field]) / GB
+
+    s = {"model": f"Llama-3 shapes, {r1['tensors']} HF tensors -> fused vLLM params, bf16", "bytes": total,
+         "device": r1["device"], "plan": r1["plan"], "nccl_GBps": gbps("nccl"),
+         "nccl_single_GBps": gbps("nccl", "single_s"),
+         "verified": {"nccl": r1["verify_nccl"][0]}}
+    for v in ("nixl", "nixl_staged"):
+        if v not in r1:
+            continue
+        if "error" in r0[v] or "error" in r1[v]:
+            s[v] = {"error": r0[v].get("error") or r1[v].get("error")}
+            continue
+        s[v] = {"GBps": gbps(v), "single_GBps": gbps(v, "single_s"), "setup_s": max(r0[v]["setup_s"], r1[v]["setup_s"]),
+                "src_staging_MiB": r0[v]["staging_bytes"] / MIB, "dst_staging_MiB": r1[v]["staging_bytes"] / MIB}
+        s[v]["over_nccl"] = s[v]["GBps"] / s["nccl_GBps"]
+        s["verified"][v] = r1[v]["verify"][0] and r1[v]["verify_fresh"][0]
+    return s
+
+
+def print_bench(s: dict) -> None:
+    print(f"\n{s['model']}; {s['bytes'] / GB:.2f} GB; {s['device']} x2; plan {s['plan']}")
+    print(f"{'path':40s} {'GB/s':>8s} {'single':>8s}  note")
+    print(f"{'NCCL, streamed executor':40s} {s['nccl_GBps']:8.1f} {s['nccl_single_GBps']:8.1f}  same plan")
+    for v, label in (("nixl", "NIXL WRITE, in place (zero copy)"), ("nixl_staged", "NIXL WRITE, every bucket staged")):
+        r = s.get(v)
+        if r is None:
+            continue
+        if "error" in r:
+            print(f"{label:40s} {'-':>8s} {'-':>8s}  {r['error']}")
+            continue
+        print(f"{label:40s} {r['GBps']:8.1f} {r['single_GBps']:8.1f}  x{r['over_nccl']:.3f} of NCCL; setup "
+              f"{r['setup_s']:.2f}s; staging {r['src_staging_MiB']:.0f}/{r['dst_staging_MiB']:.0f} MiB (src/dst)")
+    print(f"verified bit-exact: {s['verified']}")
+
+
+def bench(argv: Sequence[str] | None = None) -> int:
+    """``python -m refit.nixl bench``: NIXL against NCCL on the 2-GPU 8B refit (same plan, same run)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m refit.nixl bench", description=bench.__doc__)
+    p.add_argument("--layers", type=int, default=32, help="transformer layers [32: Llama-3-8B]")
+    p.add_argument("--iters", type=int, default=10, help="timed back-to-back refits [10]")
+    p.add_argument("--bucket-mib", type=int, default=1024, help="plan bucket size, MiB [1024]")
+    p.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES // MIB, help="bytes per NIXL WRITE, MiB")
+    p.add_argument("--staging-mib", type=int, default=1024, help="NCCL streamed staging budget, MiB [1024]")
+    p.add_argument("--group-mib", type=int, default=1024, help="NCCL bytes per group, MiB [1024]")
+    p.add_argument("--no-staged", action="store_true", help="skip the all-staged NIXL variant")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of one NIXL refit [60]")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default=None, help="also write the JSON result here")
+    args = p.parse_args(argv)
+    from refit.bench_gpu import DeviceFleet
+
+    if torch.cuda.device_count() < 2:
+        print("the NIXL GPU bench needs 2 GPUs; torch sees", torch.cuda.device_count())
+        return 2
+    cfg = {"layers": args.layers, "iters": args.iters, "bucket_mib": args.bucket_mib, "chunk_mib": args.chunk_mib,
+           "staging_mib": args.staging_mib, "group_mib": args.group_mib, "staged": not args.no_staged,
+           "timeout_s": args.timeout_s, "seed": 1234}
+    t0 = time.perf_counter()
+    with DeviceFleet(2) as fleet:
+        r0, r1 = fleet.run(_bench_rank, cfg, timeout_s=280)
+    s = bench_summary(r0, r1)
+    s["wall_s"] = time.perf_counter() - t0
+    s["per_rank"] = [r0, r1]
+    text = json.dumps(s, indent=1, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.json:
+        print(text)
+    else:
+        print_bench(s)
+    return 0 if all(s["verified"].values()) else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["bench"]:
+        sys.exit(bench(sys.argv[2:]))
+    print("usage: python -m refit.nixl bench [--help]")
+    sys.exit(2)

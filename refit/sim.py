@@ -1,0 +1,362 @@
+"""A declared cluster topology, the simulated time of a refit plan on it, and the bandwidth
+lower bound that time is measured against.
+
+The model, simple on purpose so that it can be argued with:
+
+* Every GPU rank has four ports, each streaming at a declared rate: NIC out and NIC in
+  (``nic_gbps`` GB/s per GPU, one direction; the fabric is taken as rail-optimized and
+  non-blocking, so only the ports limit), NVLink out and NVLink in (``nvlink_gbps``).
+* A bucket is a flow from its sender to its receiver: over NVLink when both ranks sit on
+  one node, else over the two NICs.
+* Buckets that need no staging (one contiguous block, no cast) are all posted at once
+  by the transport and count as one round together; each staged bucket index is a round.
+* A refit runs in phases: the plan's sends and receives, then, with fan-out, the
+  all-gather inside the replica groups (``refit.fanout`` runs them in that order, with a
+  barrier between). Within a phase, flows are spread over its length (the transport
+  keeps several rounds and every peer in flight, NCCL many channels), so a port is busy
+  for its bytes / bandwidth, and the phase lasts as long as its busiest port, plus
+  ``latency_us`` for each round of buckets on the rank that runs the most rounds.
+* Local copies (a rank that is source and destination of one param) go over HBM and
+  are not counted.
+
+So ``simulated time = sum over phases of (max over ranks and ports of bytes / bandwidth
++ latency x rounds)``. It ignores congestion inside the fabric and the compute of packing
+(both matter on real clusters: read it as what the plan's load distribution permits).
+
+The lower bound (``lower_bound``) is computed from the rosters alone, never from a plan:
+it is the largest of what any plan must spend on one port, namely
+
+* a destination rank must receive every element of its shards that it does not hold:
+  those bytes over its NIC (or over NVLink when a source rank of the param sits on its
+  node);
+* sources must send what destinations need: one copy per destination rank for
+  point-to-point delivery, one copy per element when destinations may relay (fan-out).
+  The bytes owed by shards whose holders all lie inside a set ``U`` of ranks must leave
+  through ``U``'s ports, so ``max over replica sets U of owed(U) / |U| / bandwidth``;
+* with relaying inside nodes, a node's NICs together bring in every element its ranks
+  need and do not hold: distinct bytes / (GPUs of the node x NIC); and a rank takes in
+  what it needs over its NIC and NVLink together.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from refit.layout import dtype_from_name, region_numel, region_overlap_numel, shard_region
+from refit.plan import ParamIndex, RankPlan, TensorLayout, wire_dtype
+
+PORTS = ("nic_out", "nic_in", "nvl_out", "nvl_in")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """GPUs per node, NVLink and NIC bandwidth per GPU (GB/s, one direction), per-round latency.
+
+    ``nodes`` gives the node of every rank; without it rank ``r`` sits on node
+    ``r // gpus_per_node``.
+    """
+
+    gpus_per_node: int = 8
+    nvlink_gbps: float = 450.0
+    nic_gbps: float = 50.0  # 400 Gb/s
+    latency_us: float = 20.0
+    nodes: tuple[int, ...] | None = None
+
+    def node(self, rank: int) -> int:
+        if self.nodes is not None and rank < len(self.nodes):
+            return self.nodes[rank]
+        return rank // self.gpus_per_node
+
+    def bandwidth(self, port: str) -> float:
+        return (self.nic_gbps if port.startswith("nic") else self.nvlink_gbps) * 1e9
+
+    def describe(self) -> str:
+        return (f"{self.gpus_per_node} GPUs/node, NVLink {self.nvlink_gbps:g} GB/s, NIC {self.nic_gbps:g} GB/s "
+                f"({self.nic_gbps * 8:g} Gb/s) per GPU, {self.latency_us:g} us per round")
+
+
+@dataclass
+class RankTraffic:
+    """One rank's bytes per port and rounds, per phase (0: sources -> destinations, 1: all-gather)."""
+
+    rank: int
+    ports: list[dict[str, int]] = field(default_factory=lambda: [dict.fromkeys(PORTS, 0), dict.fromkeys(PORTS, 0)])
+    rounds: list[int] = field(default_factory=lambda: [0, 0])
+    buckets: list[int] = field(default_factory=lambda: [0, 0])
+    local_bytes: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(p["nic_out"] + p["nvl_out"] for p in self.ports)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(p["nic_in"] + p["nvl_in"] for p in self.ports)
+
+    def busy(self, phase: int, topo: Topology) -> float:
+        """Seconds this rank's busiest port needs in ``phase``."""
+        return max(self.ports[phase][p] / topo.bandwidth(p) for p in PORTS)
+
+
+def _direct(b) -> bool:
+    """A bucket the transport sends from / receives into the tensor itself, posted with all
+    the others up front: it costs bandwidth but no round of its own."""
+    return len(b.ops) == 1 and b.ops[0].direct
+
+
+def traffic_of(plan: RankPlan, topo: Topology) -> RankTraffic:
+    """Bytes per port and phase of one rank's plan on ``topo``."""
+    t = RankTraffic(plan.rank)
+    me = topo.node(plan.rank)
+    for phase, (sends, recvs) in enumerate(((plan.sends, plan.recvs), (plan.gather_sends, plan.gather_recvs))):
+        ports = t.ports[phase]
+        for b in sends:
+            ports["nvl_out" if topo.node(b.peer) == me else "nic_out"] += b.nbytes
+        for b in recvs:
+            ports["nvl_in" if topo.node(b.peer) == me else "nic_in"] += b.nbytes
+        staged = {b.index for b in (*sends, *recvs) if not _direct(b)}
+        direct = any(_direct(b) for b in (*sends, *recvs))
+        t.rounds[phase] = len(staged) + (1 if direct else 0)
+        t.buckets[phase] = len(sends) + len(recvs)
+    t.local_bytes = plan.local_bytes
+    return t
+
+
+@dataclass
+class Phase:
+    name: str
+    start: float
+    seconds: float
+    bandwidth_seconds: float
+    latency_seconds: float
+    bottleneck_rank: int | None
+    bottleneck_port: str | None
+
+
+@dataclass
+class SimResult:
+    seconds: float
+    phases: list[Phase]
+    topology: Topology
+    # per rank: [(phase, start, seconds busy)] for drawing a timeline
+    timeline: dict[int, list[tuple[int, float, float]]]
+    overlapped_seconds: float = 0.0  # phases overlapped (forward each stripe as it lands)
+
+    def as_dict(self) -> dict:
+        return {
+            "seconds": self.seconds,
+            "overlapped_seconds": self.overlapped_seconds,
+            "phases": [{"name": p.name, "start_s": p.start, "seconds": p.seconds,
+                        "bandwidth_seconds": p.bandwidth_seconds, "latency_seconds": p.latency_seconds,
+                        "bottleneck_rank": p.bottleneck_rank, "bottleneck_port": p.bottleneck_port}
+                       for p in self.phases],
+        }
+
+
+PHASE_NAMES = ("sources -> destinations", "all-gather in replica groups")
+
+
+def simulate(traffic: Iterable[RankTraffic], topo: Topology) -> SimResult:
+    """Simulated refit time of a whole fleet's plans (see the module docstring for the model)."""
+    traffic = list(traffic)
+    phases: list[Phase] = []
+    timeline: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
+    start = 0.0
+    lat = topo.latency_us * 1e-6
+    for ph, name in enumerate(PHASE_NAMES):
+        if not any(t.buckets[ph] for t in traffic):
+            continue
+        worst, worst_rank, worst_port = 0.0, None, None
+        for t in traffic:
+            for p in PORTS:
+                s = t.ports[ph][p] / topo.bandwidth(p)
+                if s > worst:
+                    worst, worst_rank, worst_port = s, t.rank, p
+        rounds = max(t.rounds[ph] for t in traffic)
+        seconds = worst + lat * rounds
+        for t in traffic:
+            if t.buckets[ph]:
+                timeline[t.rank].append((ph, start, t.busy(ph, topo) + lat * t.rounds[ph]))
+        phases.append(Phase(name, start, seconds, worst, lat * rounds, worst_rank, worst_port))
+        start += seconds
+    # what forwarding each stripe as soon as it lands would give: every port carries both
+    # phases' bytes at once (refit.fanout runs the phases one after the other today)
+    overlapped = max((sum(t.ports[ph][p] for ph in range(2)) / topo.bandwidth(p) for t in traffic for p in PORTS),
+                     default=0.0) + lat * max((sum(t.rounds) for t in traffic), default=0)
+    return SimResult(start, phases, topo, dict(timeline), overlapped)
+
+
+# -- the lower bound -------------------------------------------------------------------------------
+
+@dataclass
+class Bound:
+    """A bandwidth lower bound: ``seconds``, what binds it, and its parts."""
+
+    seconds: float
+    relay: bool
+    binding: str
+    parts: dict[str, float]
+    per_rank_in: dict[int, int]  # bytes each destination rank must receive
+    owed_bytes: int  # bytes the sources must send in all
+    max_share_bytes: int = 0  # the most bytes one source rank must send (its replica set's share)
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "relay": self.relay, "binding": self.binding, "parts": self.parts,
+                "source_bytes": self.owed_bytes, "max_rank_ingress_bytes": max(self.per_rank_in.values(), default=0),
+                "max_rank_egress_bytes": self.max_share_bytes}
+
+
+class _Regions:
+    def __init__(self):
+        self._cache: dict[tuple, tuple] = {}
+
+    def __call__(self, shape, layout: TensorLayout, rank: int):
+        coords = layout.coords(rank)
+        key = (shape, layout.mesh_shape, layout.placements, coords)
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = shard_region(shape, layout.mesh_shape, coords, layout.placements)
+        return got
+
+
+def _itemsize(src: str, dst: str) -> int:
+    return dtype_from_name(wire_dtype(src, dst)).itemsize
+
+
+def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bound:
+    """The bandwidth lower bound of the layouts in ``index`` on ``topo`` (module docstring).
+
+    ``relay=False``: every destination rank gets its bytes from a source (a plan without
+    fan-out). ``relay=True``: destinations may forward to each other (fan-out), so the
+    sources owe one copy per element and a node's NICs can share its ingress.
+    Params sharing a shape and layouts are computed once.
+    """
+    region = _Regions()
+    node = topo.node
+    need = {"nic_in": defaultdict(int), "nvl_in": defaultdict(int)}
+    owed: dict[frozenset, list[int]] = defaultdict(lambda: [0, 0])  # replica set -> [nic, nvl]
+    node_need: dict[int, int] = defaultdict(int)
+    groups: dict[tuple, int] = defaultdict(int)
+    for spec in index.specs.values():
+        groups[(spec.shape, spec.src, spec.dsts)] += 1
+    total_owed = 0
+    for (shape, src, dsts), count in groups.items():
+        src_nodes = {node(r) for r in src.mesh_ranks}
+        items = [_itemsize(src.dtype, lay.dtype) for lay in dsts]
+        # what every destination rank must receive
+        for g, lay in enumerate(dsts):
+            for r in lay.mesh_ranks:
+                reg = region(shape, lay, r)
+                n = region_numel(reg)
+                if src.coords(r) is not None:
+                    n -= region_overlap_numel(reg, region(shape, src, r))
+                if n:
+                    need["nvl_in" if node(r) in src_nodes else "nic_in"][r] += n * items[g] * count
+        if relay:
+            # a node's NICs bring in, once, each element its ranks need (one layout's distinct shards)
+            per_node: dict[int, list[int]] = defaultdict(lambda: [0] * len(dsts))
+            for g, lay in enumerate(dsts):
+                seen = set()
+                for r in lay.mesh_ranks:
+                    n_ = node(r)
+                    if n_ in src_nodes or src.coords(r) is not None:
+                        continue
+                    key = (n_, lay.shard_key(r))
+                    if key not in seen:
+                        seen.add(key)
+                        per_node[n_][g] += region_numel(region(shape, lay, r)) * items[g]
+            for n_, per_g in per_node.items():
+                node_need[n_] += max(per_g) * count
+        # what the holders of every source shard owe
+        done = set()
+        dst_ranks = [(g, r) for g, lay in enumerate(dsts) for r in lay.mesh_ranks]
+        for r0 in src.mesh_ranks:
+            key = src.shard_key(r0)
+            if key in done:
+                continue
+            done.add(key)
+            reps = src.replicas(key)
+            rep_set = set(reps)
+            rep_nodes = {node(r) for r in reps}
+            sreg = region(shape, src, reps[0])
+            numel = region_numel(sreg)
+            by_layout = [[0, 0] for _ in dsts]  # per layout: [nic, nvl] bytes needed by non-holders
+            if any(node(r) in rep_nodes or r in rep_set for _, r in dst_ranks):
+                for g, r in dst_ranks:
+                    if r in rep_set:
+                        continue
+                    n = region_overlap_numel(sreg, region(shape, dsts[g], r)) * items[g]
+                    by_layout[g][1 if node(r) in rep_nodes else 0] += n
+            else:  # disaggregated: every layout needs the whole shard, replication times, over NICs
+                for g, lay in enumerate(dsts):
+                    by_layout[g][0] = numel * lay.replication * items[g]
+            if relay:  # one copy of each element: a layout's bytes over its replication
+                pick = max(range(len(dsts)), key=lambda g: sum(by_layout[g]) / dsts[g].replication, default=None)
+                if pick is None:
+                    continue
+                rep = dsts[pick].replication
+                nic, nvl = -(-by_layout[pick][0] // rep), -(-by_layout[pick][1] // rep)
+            else:
+                nic, nvl = sum(b[0] for b in by_layout), sum(b[1] for b in by_layout)
+            slot = owed[frozenset(reps)]
+            slot[0] += nic * count
+            slot[1] += nvl * count
+            total_owed += (nic + nvl) * count
+    parts: dict[str, float] = {}
+    binding_of: dict[str, str] = {}
+
+    def consider(part: str, seconds: float, what: str) -> None:
+        if seconds > parts.get(part, -1.0):
+            parts[part] = seconds
+            binding_of[part] = what
+
+    for port, per_rank in need.items():
+        for r, b in per_rank.items():
+            if relay:  # relayed bytes may arrive over both of a rank's links at once
+                total = need["nic_in"].get(r, 0) + need["nvl_in"].get(r, 0)
+                consider("ingress", total / (topo.bandwidth("nvl_in") + topo.bandwidth("nic_in")),
+                         f"rank {r} receives over NVLink and NIC")
+            else:
+                consider("ingress", b / topo.bandwidth(port), f"rank {r} {port}")
+    if relay:
+        gpus: dict[int, int] = defaultdict(int)
+        for r in range(index.world_size):
+            gpus[node(r)] += 1
+        for n_, b in node_need.items():
+            consider("node_ingress", b / (gpus[n_] * topo.bandwidth("nic_in")), f"node {n_} NICs")
+    sets = list(owed)
+    max_share = 0
+    for u in sets:
+        tot = [0, 0]
+        for v in sets:
+            if v <= u:
+                tot[0] += owed[v][0]
+                tot[1] += owed[v][1]
+        size = len(u)
+        max_share = max(max_share, -(-(tot[0] + tot[1]) // size))
+        who = f"ranks {sorted(u)}" if size <= 4 else f"{size} ranks {min(u)}..{max(u)}"
+        consider("egress", max(tot[0] / size / topo.bandwidth("nic_out"), tot[1] / size / topo.bandwidth("nvl_out")),
+                 f"{who} send what only they hold")
+    binding = max(parts, key=parts.get) if parts else "none"
+    per_rank_in: dict[int, int] = defaultdict(int)
+    for per_rank in need.values():
+        for r, b in per_rank.items():
+            per_rank_in[r] += b
+    return Bound(max(parts.values(), default=0.0), relay, f"{binding}: {binding_of.get(binding, '')}", parts,
+                 dict(per_rank_in), total_owed, max_share)
+
+
+def balance(values: Sequence[int]) -> dict:
+    """Heaviest value against the ideal (the mean) of a set of per-rank loads."""
+    vals = [v for v in values]
+    if not vals:
+        return {"max": 0, "ideal": 0, "ratio": 1.0, "ranks": 0}
+    ideal = sum(vals) / len(vals)
+    mx = max(vals)
+    return {"max": mx, "ideal": ideal, "ratio": (mx / ideal) if ideal else 1.0, "ranks": len(vals)}
+
+
+__all__ = ["Bound", "Phase", "RankTraffic", "SimResult", "Topology", "balance", "lower_bound", "simulate",
+           "traffic_of"]

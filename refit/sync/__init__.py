@@ -1,0 +1,46 @@
+"""Controller side of a refit: the weight synchronizers, and recovery from lost engines.
+
+One control plane, two data paths. ``ReshardWeightSynchronizer`` moves every param shard
+to shard along the per-rank plans of ``refit.plan``; ``CollectiveWeightSynchronizer``
+broadcasts every source shard to every rank (the baseline every peer system uses). Both
+share the lifecycle below, the membership arithmetic of ``refit.membership``, the
+in-worker watchdog, the verification of what arrived, and the recovery.
+
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=60)
+    sync.init_communicator()
+    for step in ...:
+        train_step()
+        result = sync.sync_weights()  # moved, verified, engines told
+
+A sync that fails because a worker aborted or died is settled (every rank is let finish
+unwinding before anything is rebuilt), the dead generation shards are identified, the
+communicator AND the plan are rebuilt over the survivors, and the transfer is retried
+once. A rank that froze is alive and cannot be told apart from a slow one, so it is never
+excluded: the sync then fails with ``NoAbsentShard`` instead of hanging.
+"""
+
+from refit.membership import NoSurvivingShards
+from refit.sync.errors import NoAbsentShard, RefitVerificationError, RefitWorkerError
+from refit.sync.result import SyncEvent, SyncResult
+from refit.sync.settle import _settle_before_propagating  # noqa: F401 - the seed's name, for tests
+from refit.sync.synchronizer import (
+    CollectiveWeightSynchronizer,
+    ReshardWeightSynchronizer,
+    WeightSynchronizer,
+    as_worker,
+)
+from refit.sync.verify import verify_checksums
+
+__all__ = [
+    "CollectiveWeightSynchronizer",
+    "NoAbsentShard",
+    "NoSurvivingShards",
+    "RefitVerificationError",
+    "RefitWorkerError",
+    "ReshardWeightSynchronizer",
+    "SyncEvent",
+    "SyncResult",
+    "WeightSynchronizer",
+    "as_worker",
+    "verify_checksums",
+]

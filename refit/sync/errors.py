@@ -1,0 +1,53 @@
+"""Errors of the control plane; each names the workers, ranks, shards and params involved."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from refit.errors import RefitError
+from refit.membership import NoSurvivingShards
+
+__all__ = ["NoAbsentShard", "NoSurvivingShards", "RefitVerificationError", "RefitWorkerError"]
+
+
+class RefitWorkerError(RefitError):
+    """A refit step failed on one or more workers (raised, died, or did not answer in time).
+
+    Attributes:
+        phase: the step (``connect``, ``prepare``, ``transfer``, ``commit``...).
+        failures: worker label -> what it raised.
+        timed_out: labels of workers that did not answer within the controller's bound.
+        died: labels of workers whose process was gone.
+    """
+
+    def __init__(self, message: str, *, phase: str = "", failures: dict[str, str] | None = None,
+                 timed_out: Sequence[str] = (), died: Sequence[str] = ()):
+        super().__init__(message)
+        self.phase = phase
+        self.failures = dict(failures or {})
+        self.timed_out = list(timed_out)
+        self.died = list(died)
+
+
+class NoAbsentShard(RefitWorkerError):
+    """A refit failed, but every generation worker is still alive: nothing can be excluded.
+
+    The signature of a frozen rank (stopped, wedged in a driver, swapping): it does not
+    answer, yet it is not dead, and a rebuild that kept it would hang exactly as the
+    failed attempt did.
+    """
+
+
+class RefitVerificationError(RefitError):
+    """The bytes a receiver got differ from what its sender sent (checksum per bucket).
+
+    Attributes:
+        mismatches: ``(src_rank, dst_rank, bucket, params, where)`` for every bad bucket.
+        shards: the generation shards that received bad bytes.
+    """
+
+    def __init__(self, message: str, mismatches: list[tuple], shards: list[int]):
+        super().__init__(message)
+        self.mismatches = mismatches
+        self.shards = shards
+

@@ -1,0 +1,565 @@
+"""The synchronizers: one control plane shared by the shard-to-shard path and the broadcast baseline.
+
+The control plane is the lifecycle of seed 000 (build, sync, reconcile, shutdown), the
+membership arithmetic of ``refit.membership``, settling stragglers before a rebuild,
+verification, and recovery. The two data paths differ only in what each worker runs
+during a transfer (``mode``), so everything that decides who is in the communicator and
+what happens when someone leaves exists once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from refit.errors import PlanError, RefitError
+from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
+from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
+from refit.sync.errors import NoAbsentShard, RefitWorkerError
+from refit.sync.result import Recorder, SyncResult
+from refit.sync.settle import _settle_before_propagating, brief, wait_any
+from refit.sync.verify import verify_checksums
+from refit.workers import ConnectSpec, LocalWorker, WorkerDied
+
+__all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]
+
+GRACE_S = 5.0  # slack on top of a worker's own deadline before the controller stops waiting
+NO_DEADLINE_SETTLE_S = 30.0  # settle budget when refit_timeout_s is None
+NO_DEADLINE_ROUND_S = 300.0  # bound on control calls (connect, prepare, commit) without a deadline
+
+
+@runtime_checkable
+class WeightSynchronizer(Protocol):
+    """The lifecycle every synchronizer offers (see seed 000)."""
+
+    def init_communicator(self) -> None: ...
+    def sync_weights(self) -> SyncResult: ...
+    @property
+    def is_stale(self) -> bool: ...
+    def reconcile_communicator(self, absent_shards: Sequence[int], force: bool = False) -> bool: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One rank of a build: who it is and how to reach it."""
+
+    rank: int
+    worker: Any
+    label: str
+    shard: int | None = None  # None for trainers
+    first_rank: int = 0  # communicator rank of the shard's worker 0 (what its meshes are offset by)
+
+
+def as_worker(handle: Any, name: str) -> Any:
+    """Wrap a Ray actor handle or a bare endpoint object; pass worker handles through."""
+    if hasattr(handle, "call") and hasattr(handle, "is_dead"):
+        return handle
+    if type(handle).__module__.startswith("ray."):
+        from refit.fleet import RayWorker  # Ray is imported only when Ray handles are given
+
+        return RayWorker(handle, name)
+    if hasattr(handle, "refit_connect"):
+        return LocalWorker(handle, name)
+    raise RefitError(f"{name}: expected a Ray actor handle, a worker handle or a refit endpoint, "
+                     f"got {type(handle).__name__}")
+
+
+# -- the control plane ---------------------------------------------------------------------------
+
+class _SynchronizerBase:
+    """Lifecycle, membership, settling, verification and recovery, shared by both data paths.
+
+    Args:
+        trainers: one handle per trainer rank (Ray actor handles, worker handles, or
+            endpoint objects), in trainer-rank order.
+        engines: one list per generation shard of its workers' handles (tp x pp each),
+            in worker order; every shard has the same number of workers.
+        refit_timeout_s: deadline of one transfer on every rank. Each worker arms a
+            watchdog that aborts its communicator when it passes, which is what lets the
+            controller rebuild over the survivors instead of hanging. It also bounds the
+            rendezvous. None disarms it, and with it the hang protection.
+        ping_timeout_s: how long a liveness probe waits before calling a worker unresponsive.
+        bucket_bytes: size of the packed buckets of the reshard path.
+        verify: compare per-bucket checksums of sender and receiver after every transfer.
+        on_phase: called with a phase name as each step of a sync starts (for metrics and tests).
+        grace_s: slack the controller adds to a worker's own deadline before it stops
+            waiting, and to the settle budget.
+        connect_timeout_s: how long a rank waits in the rendezvous of a (re)build for the
+            others; defaults to ``refit_timeout_s``. A rank that dies during a rebuild
+            holds the survivors there this long.
+        transport: None (the communicator: gloo / NCCL) or ``"nixl"`` (reshard only):
+            one-sided NIXL WRITEs, no collective during a transfer; every build relays the
+            ranks' NIXL roster entries (``refit.nixl``). Needs ``pip install 'refit[nixl]'``.
+    """
+
+    mode: ClassVar[str] = "reshard"
+
+    def __init__(
+        self,
+        trainers: Sequence[Any],
+        engines: Sequence[Sequence[Any]],
+        *,
+        refit_timeout_s: float | None = 60.0,
+        ping_timeout_s: float = 2.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = True,
+        on_phase: Callable[[str], None] | None = None,
+        grace_s: float = GRACE_S,
+        connect_timeout_s: float | None = None,
+        transport: str | None = None,
+    ):
+        if not trainers:
+            raise RefitError("a synchronizer needs at least one trainer rank")
+        if not engines or any(len(s) == 0 for s in engines):
+            raise RefitError("a synchronizer needs at least one generation shard, each with at least one worker")
+        sizes = {len(s) for s in engines}
+        if len(sizes) != 1:
+            raise RefitError(f"every generation shard must have the same number of workers, got "
+                             f"{[len(s) for s in engines]}")
+        if refit_timeout_s is not None and refit_timeout_s <= 0:
+            raise RefitError(f"refit_timeout_s must be positive or None, got {refit_timeout_s!r}")
+        if transport not in (None, "nixl"):
+            raise RefitError(f"transport must be None or 'nixl', got {transport!r}")
+        if transport == "nixl" and self.mode != "reshard":
+            raise RefitError("transport='nixl' moves the shard-to-shard plans; use ReshardWeightSynchronizer")
+        self.transport = transport
+        self.refit_timeout_s = refit_timeout_s
+        self.ping_timeout_s = ping_timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.verify = verify
+        self.on_phase = on_phase
+        self.grace_s = grace_s
+        self.connect_timeout_s = connect_timeout_s or refit_timeout_s or NO_DEADLINE_ROUND_S
+        self._trainers = [as_worker(h, f"trainer rank {r}") for r, h in enumerate(trainers)]
+        self._engines = [[as_worker(h, f"shard {s} worker {w}") for w, h in enumerate(shard)]
+                         for s, shard in enumerate(engines)]
+        self.train_world_size = len(self._trainers)
+        self.dp_size = len(self._engines)
+        self.workers_per_shard = sizes.pop()
+        self._built: RefitMembership | None = None
+        self._members: list[_Member] = []
+        self._initialized = False
+        self._broken = False
+        self._closed = False
+        self._epoch = 0
+        self._steps = 0
+        self._abandoned: list[Any] = []  # calls given up on; read once they end, so no error goes unseen
+        self._rec: Recorder | None = None  # the sync in progress, if any
+
+    @classmethod
+    def from_fleet(cls, fleet: Any, **kwargs: Any):
+        """Build from anything with ``.trainers`` and ``.engines`` (e.g. ``refit.fleet.RayFleet``)."""
+        return cls(fleet.trainers, fleet.engines, **kwargs)
+
+    # -- membership ------------------------------------------------------------------------
+    @property
+    def membership(self) -> RefitMembership | None:
+        """What the live communicator was built over; None before the first build."""
+        return self._built
+
+    def _desired(self, absent: Sequence[int]) -> RefitMembership:
+        return desired_membership(absent_shards=sorted(absent), dp_size=self.dp_size,
+                                  total_gen_workers=self.dp_size * self.workers_per_shard,
+                                  train_world_size=self.train_world_size)
+
+    def _members_of(self, membership: RefitMembership) -> list[_Member]:
+        out = [_Member(r, w, f"trainer rank {r}") for r, w in enumerate(self._trainers)]
+        for shard, prefix in membership.shard_prefixes.items():
+            for w, worker in enumerate(self._engines[shard]):
+                rank = membership.train_world_size + prefix + w
+                out.append(_Member(rank, worker, f"shard {shard} worker {w}", shard, rank - w))
+        return out
+
+    def _dead_shards_now(self) -> list[int]:
+        """Shards with a worker known dead, from the handles alone (no call into the workers)."""
+        dead_trainers = [r for r, w in enumerate(self._trainers) if w.is_dead()]
+        if dead_trainers:
+            raise RefitWorkerError(
+                f"trainer rank(s) {dead_trainers} are dead; trainers are never excluded from the refit "
+                "communicator, so there is nothing to refit from", phase="check",
+                died=[f"trainer rank {r}" for r in dead_trainers])
+        return [s for s, ws in enumerate(self._engines) if any(w.is_dead() for w in ws)]
+
+    def _probe(self) -> tuple[list[_Member], list[_Member]]:
+        """Ping every worker: (the dead, the alive that did not answer in time).
+
+        Dead means the handle says so, or the ping failed because the process is gone.
+        A ping that times out is not death: a stopped process keeps its actor alive.
+        """
+        workers = [_Member(r, w, f"trainer rank {r}") for r, w in enumerate(self._trainers)]
+        workers += [_Member(-1, w, f"shard {s} worker {i}", s)
+                    for s, ws in enumerate(self._engines) for i, w in enumerate(ws)]
+        dead = [m for m in workers if m.worker.is_dead()]
+        pings = {m: m.worker.call("refit_ping") for m in workers if m not in dead}
+        _settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
+        silent = []
+        for m, p in pings.items():
+            if not p.done():
+                (dead if m.worker.is_dead() else silent).append(m)
+                continue
+            try:
+                p.result(0)
+            except WorkerDied:
+                dead.append(m)
+            except Exception:  # noqa: BLE001 - it answered, with an error: alive
+                pass
+        return dead, silent
+
+    # -- rounds of calls -----------------------------------------------------------------------
+    def _settle_budget_s(self) -> float:
+        """How long to let stragglers unwind: their own deadline, plus a little.
+
+        A rank that has not given up yet will when its watchdog fires, at the same
+        refit_timeout_s every rank was armed with. Without a deadline nothing bounds
+        them, so fall back to a fixed wait rather than blocking recovery for ever.
+        """
+        if self.refit_timeout_s is None:
+            return NO_DEADLINE_SETTLE_S
+        return self.refit_timeout_s + self.grace_s
+
+    def _round_timeout_s(self) -> float:
+        return (self.refit_timeout_s or NO_DEADLINE_ROUND_S) + self.grace_s
+
+    def _round(self, phase: str, calls: dict[_Member, Any], timeout_s: float | None,
+               stragglers_s: float | None = None) -> dict[_Member, Any]:
+        """Wait for every call; at the first failure (or the timeout) settle the rest, then raise.
+
+        ``stragglers_s`` is the deadline the workers themselves give up at in this phase
+        (the refit deadline, or the rendezvous timeout for ``connect``).
+        """
+        results: dict[_Member, Any] = {}
+        pending = dict(calls)
+        dispatched = time.monotonic()
+        last: tuple[float, str] = (0.0, "")  # the slowest member so far, for the sync's events
+        deadline = None if timeout_s is None else dispatched + timeout_s
+        failures: dict[str, str] = {}
+        died: list[str] = []
+        while pending and not failures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = wait_any(list(pending.values()), left)
+            if not done:
+                break
+            for m in [m for m, p in pending.items() if p in done]:
+                p = pending.pop(m)
+                last = (time.monotonic() - dispatched, m.label)
+                try:
+                    results[m] = p.result(0)
+                except WorkerDied as e:
+                    died.append(m.label)
+                    failures[m.label] = brief(e)
+                except Exception as e:  # noqa: BLE001 - reported below with the worker's name
+                    if type(e).__name__ in ("ActorDiedError", "RayActorError"):
+                        died.append(m.label)
+                    failures[m.label] = brief(e)
+        if not pending:
+            if not failures:
+                if self._rec is not None:
+                    self._rec.note("round", f"{phase}: {len(results)} worker(s) in {last[0]:.3f}s, "
+                                            f"the last {last[1]}")
+                return results
+            timed_out: list[str] = []
+        else:
+            # The stragglers were armed when this round was dispatched, so their own deadline
+            # (plus the grace) is counted from then: a rank frozen for good is waited for
+            # until every live rank must have given up, not for a whole budget after that.
+            budget = self._settle_budget_s()
+            if stragglers_s is not None:
+                budget = stragglers_s + self.grace_s
+            budget = min(budget, max(self.grace_s, dispatched + budget - time.monotonic()))
+            _settle_before_propagating(list(pending.values()), budget, phase)
+            timed_out = [m.label for m, p in pending.items() if not p.done()]
+            self._abandoned += [p for p in pending.values() if not p.done()]
+        first = next(iter(failures.items()), None)
+        if first is not None:
+            msg = f"refit {phase} failed on {first[0]}: {first[1]}"
+            if len(failures) > 1:
+                msg += f" (and on {len(failures) - 1} other worker(s))"
+        else:
+            msg = f"refit {phase}: {', '.join(timed_out)} did not answer within {timeout_s:.1f}s"
+        if timed_out and first is not None:
+            msg += f"; still running after the settle: {', '.join(timed_out)}"
+        raise RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died)
+
+    def _call_all(self, members: Sequence[_Member], method: str, *args: Any, **kwargs: Any) -> dict[_Member, Any]:
+        return {m: m.worker.call(method, *args, **kwargs) for m in members}
+
+    def _share(self, obj: Any) -> Any:
+        """Put a large argument where every worker can fetch it once (Ray's object store)."""
+        put = getattr(type(self._trainers[0]), "put", None)
+        return put(obj) if put is not None else obj
+
+    # -- build --------------------------------------------------------------------------------
+    def init_communicator(self) -> None:
+        """Build the communicator and the plan over the whole fleet."""
+        self._check_open()
+        self._build(self._desired([]))
+
+    def _build(self, membership: RefitMembership) -> None:
+        """Build everything a transfer needs, for the given membership.
+
+        Shared by the first build and every rebuild, deliberately: the communicator ranks,
+        the engines' mesh offsets and the plan are all functions of the membership, and two
+        copies of that arithmetic is how a communicator and a plan come to disagree. That
+        disagreement is silent (a plan for the old world still runs, into the wrong
+        slices), which is also why the plan is rebuilt and never reused. And every normal
+        run exercises the rebuild path.
+        """
+        self._broken = True  # until this build completes
+        self._epoch += 1
+        epoch = self._epoch
+        members = self._members_of(membership)
+        timeout = self._round_timeout_s()
+        connect_s = self.connect_timeout_s
+        root = members[0]
+        addr, port = self._round("rendezvous", {root: root.worker.call("refit_rendezvous")}, timeout)[root]
+        calls = {}
+        for m in members:
+            size = None if m.shard is None else membership.workers_per_shard
+            spec = ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
+                               mesh_offset=m.first_rank, mesh_size=size, label=m.label)
+            calls[m] = m.worker.call("refit_connect", spec)
+        rosters = self._round("connect", calls, timeout + connect_s, stragglers_s=connect_s)
+        by_rank = {m.rank: rosters[m] for m in members}
+        try:
+            index = merge_rosters(by_rank, membership.world_size)
+        except RefitError as e:
+            legend = ", ".join(f"{m.rank}={m.label}" for m in members)
+            raise type(e)(f"{e} [ranks: {legend}]") from None
+        self._check_coverage(index, members)
+        shared = self._share(index)
+        self._round("prepare", self._call_all(members, "refit_prepare", shared, epoch=epoch, mode=self.mode,
+                                               bucket_bytes=self.bucket_bytes), timeout)
+        if self.transport == "nixl":
+            # every rank registers its buffers for the new plan; the controller relays the
+            # roster (agent metadata + receive descriptors): new peers load point to point
+            entries = self._round("nixl handshake", self._call_all(members, "refit_nixl_entry", epoch), timeout)
+            roster = self._share({e.rank: e for e in entries.values()})
+            self._round("nixl membership", self._call_all(members, "refit_nixl_membership", roster, epoch),
+                        timeout)
+        self._built, self._members = membership, members
+        self._initialized, self._broken = True, False
+
+    def _check_coverage(self, index, members: Sequence[_Member]) -> None:
+        """Every engine rank must need something, or its shard would silently receive nothing."""
+        idle = [m.label for m in members if m.shard is not None and not index.by_rank.get(m.rank)]
+        if idle:
+            raise PlanError(f"{', '.join(idle)} reported no destination tensors; an engine worker must "
+                            "expose what it serves through refit_destinations()")
+
+    def reconcile_communicator(self, absent_shards: Sequence[int], force: bool = False) -> bool:
+        """Rebuild the communicator AND regenerate the plan over the shards not absent.
+
+        The plan is never reused across a membership change. This is a mesh-to-mesh
+        redistribute: every destination rank receives its own slices, so dropping a shard
+        without replanning would leave the survivors' meshes offset by the dead shard's
+        ranks, and a rank that rejoins would receive nothing. Returns whether it rebuilt.
+
+        ``force`` says the communicator is gone rather than merely stale (after an abort);
+        it only rebuilds when some shard IS absent (see ``should_rebuild``).
+
+        Raises:
+            NoSurvivingShards: every shard is absent.
+        """
+        self._check_open()
+        absent = sorted(set(absent_shards))
+        desired = self._desired(absent)
+        if not should_rebuild(desired=desired, built=self._built, absent_shards=absent, force=force):
+            return False
+        self._build(desired)
+        return True
+
+    @property
+    def is_stale(self) -> bool:
+        """Whether the next sync has to rebuild first: never built, broken, or membership changed."""
+        if not self._initialized or self._broken:
+            return True
+        absent = self._dead_shards_now()
+        try:
+            return should_rebuild(desired=self._desired(absent), built=self._built, absent_shards=absent, force=False)
+        except NoSurvivingShards:
+            return True
+
+    def replace_shard(self, shard: int, workers: Sequence[Any]) -> None:
+        """Hand in the restarted workers of ``shard``; the next sync re-admits it.
+
+        The old workers' communicators are aborted (best effort: they are usually dead).
+        """
+        self._check_open()
+        if not 0 <= shard < self.dp_size:
+            raise RefitError(f"replace_shard: unknown shard {shard}; shards are 0..{self.dp_size - 1}")
+        if len(workers) != self.workers_per_shard:
+            raise RefitError(f"replace_shard: shard {shard} needs {self.workers_per_shard} worker(s), "
+                             f"got {len(workers)}")
+        old = self._engines[shard]
+        self._engines[shard] = [as_worker(h, f"shard {shard} worker {w}") for w, h in enumerate(workers)]
+        if self._built is not None and shard in self._built.shard_prefixes:
+            # The live communicator has ranks of the old workers: the membership may read the
+            # same, but those ranks are gone, so the next sync must rebuild.
+            self._broken = True
+        live = [w.call("refit_teardown") for w in old if not w.is_dead()]
+        _settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
+
+    # -- sync --------------------------------------------------------------------------------
+    def sync_weights(self) -> SyncResult:
+        """Move the weights, verify them, tell the engines; recover once from a lost shard.
+
+        Raises:
+            RefitVerificationError: bytes arrived corrupted (names the shards and params).
+            NoAbsentShard: a worker failed or froze but none is dead, so nothing can be excluded.
+            NoSurvivingShards: every generation shard is gone.
+            RefitWorkerError: a trainer is gone, or the retry after recovery failed too.
+        """
+        self._check_open()
+        self._steps += 1
+        rec = self._rec = Recorder(self._steps, self.on_phase)
+        try:
+            return self._sync(rec)
+        finally:
+            self._rec = None
+
+    def _sync(self, rec: Recorder) -> SyncResult:
+        try:
+            self._attempt(rec)
+        except RefitWorkerError as failure:
+            if isinstance(failure, NoAbsentShard) or failure.phase == "check":
+                raise
+            failed_at = rec.now()
+            rec.result.failure = str(failure)
+            rec.note("failure", str(failure))
+            self._broken = True
+            with rec.phase("recover"):
+                self._recover(failure, rec)
+            try:
+                self._attempt(rec)
+            except RefitWorkerError as again:
+                self._broken = True
+                raise RefitWorkerError(f"the refit failed again after recovering from '{failure}': {again}",
+                                       phase=again.phase, failures=again.failures, timed_out=again.timed_out,
+                                       died=again.died) from again
+            rec.result.recovered = True
+            rec.result.recovery_s = rec.now() - failed_at
+        rec.result.seconds = rec.now()
+        return rec.result
+
+    def _drain_abandoned(self) -> None:
+        still = []
+        for p in self._abandoned:
+            if p.done():
+                with contextlib.suppress(BaseException):
+                    p.result(0)
+            else:
+                still.append(p)
+        self._abandoned = still
+
+    def _attempt(self, rec: Recorder) -> None:
+        self._drain_abandoned()
+        with rec.phase("check"):
+            absent = self._dead_shards_now()
+            desired = self._desired(absent)
+        if (not self._initialized or self._broken
+                or should_rebuild(desired=desired, built=self._built, absent_shards=absent, force=False)):
+            with rec.phase("build", f"shards {desired.surviving_shards}"):
+                self._build(desired)
+            rec.result.rebuilt = True
+        members = self._members
+        with rec.phase("transfer"):
+            t0 = time.monotonic()
+            try:
+                reports = self._round("transfer", self._call_all(members, "refit_transfer", self._epoch,
+                                                                 timeout_s=self.refit_timeout_s, verify=self.verify),
+                                      None if self.refit_timeout_s is None else self.refit_timeout_s + self.grace_s)
+            except RefitWorkerError:
+                self._broken = True
+                raise
+            transfer_s = time.monotonic() - t0
+        res = rec.result
+        res.shards = list(self._built.surviving_shards)
+        res.absent_shards = [s for s in range(self.dp_size) if s not in self._built.shard_prefixes]
+        res.world_size = self._built.world_size
+        res.transfer_s = transfer_s
+        res.bytes = sum(r["bytes_received"] for r in reports.values())
+        res.gbps = res.bytes / transfer_s / 1e9 if transfer_s > 0 else 0.0
+        if self.verify:
+            with rec.phase("verify"):
+                self._verify(reports)
+            res.verified = True
+        engines = [m for m in members if m.shard is not None]
+        with rec.phase("commit"):
+            self._round("commit", self._call_all(engines, "refit_commit", self._epoch), self._round_timeout_s())
+
+    def _recover(self, failure: RefitWorkerError, rec: Recorder) -> None:
+        """The failed round is already settled: find the dead, exclude their shards, rebuild."""
+        dead, silent = self._probe()
+        rec.note("probe", f"dead={[m.label for m in dead]} unresponsive={[m.label for m in silent]}")
+        dead_trainers = [m.label for m in dead if m.shard is None]
+        if dead_trainers:
+            raise RefitWorkerError(
+                f"{', '.join(dead_trainers)} died during the refit ({failure}); trainers are never excluded "
+                "from the refit communicator, so the fleet cannot recover here", phase=failure.phase,
+                failures=failure.failures, died=[m.label for m in dead]) from failure
+        absent = sorted({m.shard for m in dead})
+        if not absent:
+            names = ", ".join(m.label for m in silent)
+            hint = (f" {names} did not answer a liveness ping within {self.ping_timeout_s:g}s: frozen or wedged, "
+                    "but alive, so it cannot be excluded." if silent else
+                    " Every worker answers, so the failure is not a lost engine.")
+            raise NoAbsentShard(
+                f"refit {failure.phase} failed ({failure}) and no generation shard could be identified as "
+                f"absent.{hint} Nothing was rebuilt; fix or restart that worker (then replace_shard) and sync again.",
+                phase=failure.phase, failures=failure.failures, timed_out=[m.label for m in silent]) from failure
+        rec.note("absent", f"shards {absent}")
+        rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
+
+    def _verify(self, reports: dict[_Member, dict]) -> None:
+        labels = {m.rank: (m.label, m.shard) for m in self._members}
+        verify_checksums({m.rank: r for m, r in reports.items()}, labels)
+
+    # -- teardown -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Abort every worker's refit communicator (bounded, errors swallowed). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        calls = [w.call("refit_teardown") for w in [*self._trainers, *(w for s in self._engines for w in s)]
+                 if not w.is_dead()]
+        _settle_before_propagating(calls, self.ping_timeout_s + self.grace_s, "shutdown")
+        self._drain_abandoned()
+        for w in [*self._trainers, *(w for s in self._engines for w in s)]:
+            if isinstance(w, LocalWorker):
+                w.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RefitError(f"{type(self).__name__} was shut down")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class ReshardWeightSynchronizer(_SynchronizerBase):
+    """Shard-to-shard refit: every destination block comes straight from one source shard.
+
+    No full gather on the trainer and no full broadcast: each rank builds its own
+    send/recv plan from the merged rosters (``refit.plan``) and the packed buckets move
+    point to point. See ``_SynchronizerBase`` for the arguments.
+    """
+
+    mode = "reshard"
+
+
+class CollectiveWeightSynchronizer(_SynchronizerBase):
+    """The baseline: every source shard is broadcast to every rank, which keeps its slice.
+
+    What a plain refit does (gather each full tensor, broadcast it to every engine rank);
+    kept for comparison and as a fallback. Same lifecycle, recovery and verification as
+    ``ReshardWeightSynchronizer``.
+    """
+
+    mode = "broadcast"

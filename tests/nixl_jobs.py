@@ -1,0 +1,334 @@
+"""Functions run on the ranks of the NIXL tests, and a small process harness that survives a dead rank.
+
+Every rank derives the rosters of a case by itself (the case says who holds and needs
+what), so building the plan needs no communication; the only collective any NIXL test
+uses is the one-time handshake of ``NixlTransport.handshake(group)``, and the tests count
+that. The state of a rank (its transport, tensors and the collective counter) lives in
+this module for the life of its process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from multiprocessing.connection import wait as wait_conns
+from typing import Any
+
+import numpy as np
+import torch
+
+from layouts import local_slice
+from refit.plan import RosterEntry, build_rank_plan, merge_rosters
+
+_S: dict[str, Any] = {}
+
+COLLECTIVES = ("all_gather_object", "broadcast_object", "broadcast", "barrier", "isend", "irecv", "p2p_group",
+               "split", "all_reduce", "all_gather", "send", "recv", "batch_isend_irecv", "gather_object",
+               "scatter_object_list", "reduce")
+
+
+# -- counting every collective a process makes -----------------------------------------------
+
+def count_collectives() -> dict[str, int]:
+    """Wrap every communication call of ``StatelessProcessGroup``, ``TorchGroupComm`` and
+    ``torch.distributed`` in this process with a counter (once); return the counter."""
+    counts = _S.get("collectives")
+    if counts is not None:
+        return counts
+    counts = _S["collectives"] = {}
+    import torch.distributed as dist
+
+    from refit import comm
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name, None)
+        if fn is None or getattr(fn, "_counted", False):
+            return
+
+        def counted(*args, **kwargs):
+            counts[label] = counts.get(label, 0) + 1
+            return fn(*args, **kwargs)
+
+        counted._counted = True
+        setattr(owner, name, counted)
+
+    for cls in (comm.StatelessProcessGroup, comm.TorchGroupComm):
+        for name in COLLECTIVES:
+            wrap(cls, name, f"{cls.__name__}.{name}")
+    for name in COLLECTIVES:
+        wrap(dist, name, f"torch.distributed.{name}")
+    return counts
+
+
+def collectives() -> int:
+    return sum(count_collectives().values())
+
+
+# -- cases ------------------------------------------------------------------------------------------
+
+def _full(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64) if len(shape) else torch.tensor(float(seed))
+
+
+def _dsts(p, members=None):
+    """A param's destination layouts: ``dsts`` (a list of {mesh, pl, dtype}) or one ``dst_*``
+    layout; with ``members``, only the layouts whose ranks are all members."""
+    dsts = p.get("dsts") or [{"mesh": p["dst_mesh"], "pl": p["dst_pl"], "dtype": p["dst_dtype"]}]
+    if members is not None:
+        dsts = [d for d in dsts if set(np.array(d["mesh"]).reshape(-1).tolist()) <= set(members)]
+    return dsts
+
+
+def rosters(case, members) -> dict[int, list[RosterEntry]]:
+    out: dict[int, list[RosterEntry]] = {r: [] for r in members}
+    for p in case["params"]:
+        mesh = np.array(p["src_mesh"])
+        for r in mesh.reshape(-1).tolist():
+            out[r].append(RosterEntry.make(p["name"], p["shape"], p["src_dtype"], mesh.tolist(), p["src_pl"], "src"))
+        for d in _dsts(p, members):
+            mesh = np.array(d["mesh"])
+            for r in mesh.reshape(-1).tolist():
+                out[r].append(RosterEntry.make(p["name"], p["shape"], d["dtype"], mesh.tolist(), d["pl"], "dst"))
+    return out
+
+
+def _dst_layout(p, rank, members):
+    for d in _dsts(p, members):
+        if rank in np.array(d["mesh"]).reshape(-1).tolist():
+            return d
+    return None
+
+
+def _slices(case, rank, step, members):
+    src, want = {}, {}
+    for p in case["params"]:
+        full = _full(p["shape"], p["seed"] + 7919 * step).to(getattr(torch, p["src_dtype"]))
+        s = local_slice(full, np.array(p["src_mesh"]), p["src_pl"], rank)
+        if s is not None:
+            src[p["name"]] = s
+        d = _dst_layout(p, rank, members)
+        if d is not None:
+            want[p["name"]] = local_slice(full.to(getattr(torch, d["dtype"])), np.array(d["mesh"]), d["pl"], rank)
+    return src, want
+
+
+class Counting:
+    """A process-group proxy that counts what is called through it."""
+
+    def __init__(self, group):
+        self._group = group
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        attr = getattr(self._group, name)
+        if callable(attr):
+            def call(*args, **kwargs):
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+            return call
+        return attr
+
+
+def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0, chunk_bytes=None, direct=True):
+    """(Re)build this rank's plan for ``case`` over ``members`` and register its buffers.
+
+    ``exchange="group"``: the one-time handshake through the fleet's process group (counted);
+    ``"relay"``: return the roster entry for the controller (the test) to relay.
+    """
+    from refit.nixl import NixlTransport
+
+    rank = group.rank
+    count_collectives()
+    members = sorted(members) if members is not None else list(range(case["world"]))
+    if rank not in members:
+        return None
+    world = case.get("world") or max(members) + 1  # a fleet that grows is a larger world
+    index = merge_rosters(rosters(case, members), world)
+    plan = build_rank_plan(index, rank, bucket_bytes=case.get("bucket_bytes", 64 << 20))
+    t = _S.get("transport")
+    if t is None:
+        t = _S["transport"] = NixlTransport(rank, device="cpu", timeout_s=timeout_s, verify=True,
+                                            chunk_bytes=chunk_bytes or case.get("chunk_bytes", 1 << 20),
+                                            direct=direct)
+    src, want = _slices(case, rank, 0, members)
+    dst = {n: torch.full(w.shape, float("nan"), dtype=w.dtype) for n, w in want.items()}
+    _S.update(case=case, src=src, dst=dst, plan=plan, members=members)
+    t.prepare(plan, src, dst)
+    info = {"rank": rank, "plan_key": plan.key, "agent": t.agent_name, "peers": plan.peers(),
+            "sends": len(plan.sends), "recvs": len(plan.recvs)}
+    if exchange == "group":
+        proxy = Counting(group)
+        t.handshake(proxy, epoch=epoch)
+        info["handshake_calls"] = list(proxy.calls)
+        return info
+    info["entry"] = t.local_roster_entry()
+    return info
+
+
+def install(group, roster, epoch):
+    t = _S.get("transport")
+    if t is None or group.rank not in roster:
+        return None
+    before = collectives()
+    t.update_membership(roster, epoch)
+    return {"collectives": collectives() - before, "epoch": t.epoch}
+
+
+def refit_step(group, step, *, timeout_s=10.0, fault=None, replace_src=None):
+    """One refit of the installed plan with the data of ``step``; check every destination.
+
+    ``fault="die"``: this rank's process exits at once, in the middle of the refit (its
+    peers are already in it). ``replace_src``: give new source tensors (default: every
+    other step) instead of writing into the registered ones.
+    """
+    from refit.watchdog import RefitAborted, RefitAbortWatchdog
+
+    t = _S.get("transport")
+    if t is None or _S.get("plan") is None or t.epoch < 0:
+        return None
+    rank = group.rank
+    case = _S["case"]
+    if fault == "die":
+        os._exit(17)
+    new_src, want = _slices(case, rank, step, _S["members"])
+    replace = (step % 2 == 1) if replace_src is None else replace_src
+    src = _S["src"]
+    for name, v in new_src.items():
+        if replace:
+            src[name] = v
+        else:
+            src[name].copy_(v)
+    dst = _S["dst"]
+    for v in dst.values():
+        v.fill_(float("nan"))
+    before = collectives()
+    t0 = time.monotonic()
+    try:
+        with RefitAbortWatchdog([t], timeout_s):
+            stats = t.run(src, dst)
+    except RefitAborted as e:
+        return {"rank": rank, "error": "RefitAborted", "message": str(e), "elapsed": time.monotonic() - t0,
+                "collectives": collectives() - before,
+                "ok": {n: bool(torch.equal(dst[n], w)) for n, w in want.items()}}
+    ok = {n: bool(torch.equal(dst[n], w)) for n, w in want.items()}
+    return {"rank": rank, "error": None, "ok": ok, "all_ok": all(ok.values()), "elapsed": time.monotonic() - t0,
+            "collectives": collectives() - before, "seq": t.seq, "epoch": t.epoch,
+            "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+            "zero_copy": stats.zero_copy_buckets, "sent": dict(stats.checksums_sent),
+            "received": dict(stats.checksums_received)}
+
+
+def close(group):
+    t = _S.pop("transport", None)
+    if t is not None:
+        t.close()
+    return True
+
+
+# -- a process harness that outlives a dead rank -------------------------------------------------
+
+def _main(rank, n, port, conn):
+    torch.set_num_threads(1)
+    from refit.comm import StatelessProcessGroup
+
+    group = StatelessProcessGroup("127.0.0.1", port, rank, n, timeout_s=60)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg is None:
+                break
+            fn, args, kwargs = msg
+            try:
+                conn.send(("ok", fn(group, *args, **kwargs)))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                conn.send(("err", (type(e).__name__, str(e), traceback.format_exc())))
+    finally:
+        close(group)
+        group.abort()
+        conn.close()
+
+
+class Procs:
+    """Processes, one per rank, each with a rank of one gloo ``StatelessProcessGroup`` (for
+    the one-time handshake), driven from the test; a rank that dies is reported, not fatal."""
+
+    def __init__(self, n: int):
+        from refit.comm import free_port
+
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns, self._procs = [], []
+        for r in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_main, args=(r, n, port, child), daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self.dead: set[int] = set()
+        self.ok(_pid, timeout_s=120)
+
+    @property
+    def size(self) -> int:
+        return len(self._procs)
+
+    def call(self, fn, *args, ranks=None, timeout_s: float = 60.0, per_rank=None, **kwargs) -> dict[int, Any]:
+        """Run ``fn(rank, *args, **kwargs)`` on ``ranks`` (default: the living); ``per_rank``
+        maps a rank to extra kwargs. Returns rank -> ("ok", value) / ("err", ...) / ("dead", code)."""
+        ranks = [r for r in range(len(self._procs)) if r not in self.dead] if ranks is None else list(ranks)
+        for r in ranks:
+            self._conns[r].send((fn, args, {**kwargs, **((per_rank or {}).get(r, {}))}))
+        out: dict[int, Any] = {}
+        pending = {self._conns[r]: r for r in ranks}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready = wait_conns(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"ranks {sorted(pending.values())} did not answer within {timeout_s}s")
+            for c in ready:
+                r = pending.pop(c)
+                try:
+                    out[r] = c.recv()
+                except EOFError:
+                    self._procs[r].join(5)
+                    self.dead.add(r)
+                    out[r] = ("dead", self._procs[r].exitcode)
+        return out
+
+    def ok(self, fn, *args, **kwargs) -> dict[int, Any]:
+        res = self.call(fn, *args, **kwargs)
+        bad = {r: v for r, v in res.items() if v[0] != "ok"}
+        if bad:
+            raise AssertionError("; ".join(f"rank {r}: {v[1][2] if v[0] == 'err' else v}" for r, v in bad.items()))
+        return {r: v[1] for r, v in res.items()}
+
+    def close(self) -> None:
+        for r, c in enumerate(self._conns):
+            if r not in self.dead:
+                try:
+                    c.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self._conns:
+            c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _pid(group):
+    return os.getpid()

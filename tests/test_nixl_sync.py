@@ -1,0 +1,89 @@
+"""``ReshardWeightSynchronizer(transport="nixl")`` driven in-process (``LocalWorker`` endpoints).
+
+The controller relays the ranks' NIXL roster entries at every build; transfers then make
+no collective call. Membership changes renumber the ranks, and the same NIXL agents follow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from refit.nixl import nixl_available
+
+if not nixl_available():
+    pytest.skip("NIXL is not installed (pip install 'refit[nixl]')", allow_module_level=True)
+
+import refit  # noqa: E402
+from refit.comm import StatelessProcessGroup  # noqa: E402
+from refit.errors import RefitError  # noqa: E402
+from refit.fleet import SyntheticEngine, SyntheticTrainer  # noqa: E402
+from refit.sync import RefitVerificationError  # noqa: E402
+
+HIDDEN = 48
+
+
+def make(t, s, w, **kw):
+    trainers = [SyntheticTrainer(r, t, hidden=HIDDEN) for r in range(t)]
+    engines = [[SyntheticEngine(i, j, w, hidden=HIDDEN) for j in range(w)] for i in range(s)]
+    kw.setdefault("refit_timeout_s", 20.0)
+    return refit.ReshardWeightSynchronizer(trainers, engines, transport="nixl", **kw), trainers, engines
+
+
+def wrong(engines, step, shards=None):
+    shards = range(len(engines)) if shards is None else shards
+    return {(s, w): bad for s in shards for w, e in enumerate(engines[s]) if (bad := e.check_weights(step))}
+
+
+def step(trainers, n):
+    for t in trainers:
+        t.set_step(n)
+
+
+@pytest.mark.timeout(90)
+def test_nixl_sync_moves_verifies_follows_membership_and_makes_no_collective(monkeypatch):
+    sync, trainers, engines = make(2, 3, 2)
+    try:
+        sync.init_communicator()
+        calls = []
+        for name in ("all_gather_object", "broadcast_object", "broadcast", "barrier", "isend", "irecv", "p2p_group"):
+            orig = getattr(StatelessProcessGroup, name)
+            monkeypatch.setattr(StatelessProcessGroup, name,
+                                lambda self, *a, _n=name, _o=orig, **k: (calls.append(_n), _o(self, *a, **k))[1])
+        for n in (1, 2):
+            step(trainers, n)
+            res = sync.sync_weights()
+            assert res.verified and not res.rebuilt and wrong(engines, n) == {}
+        assert calls == []  # the transfers: NIXL notifications and WRITEs only
+        monkeypatch.undo()
+        # a shard dies: the rebuild renumbers the ranks; agents stay, plans and rosters follow
+        agents = {id(e): e._refit_state().nixl.agent_name for s in engines for e in s}
+        sync._engines[1][0].kill()
+        step(trainers, 3)
+        res = sync.sync_weights()
+        assert res.verified and res.rebuilt and res.shards == [0, 2] and wrong(engines, 3, [0, 2]) == {}
+        assert engines[2][1]._refit_state().nixl.rank == 2 + 2 + 1  # was 2 + 4 + 1
+        assert engines[2][1]._refit_state().nixl.agent_name == agents[id(engines[2][1])]
+        # the shard comes back (fresh workers, fresh agents) and joins at the next sync
+        fresh = [SyntheticEngine(1, w, 2, hidden=HIDDEN) for w in range(2)]
+        sync.replace_shard(1, fresh)
+        engines[1] = fresh
+        step(trainers, 4)
+        res = sync.sync_weights()
+        assert res.verified and res.rebuilt and res.shards == [0, 1, 2] and wrong(engines, 4) == {}
+        # a flipped byte on the wire is caught by the per-bucket checksums, naming the shard
+        sync._trainers[0].call("refit_inject_fault", peer=None, byte=3).result(10)
+        step(trainers, 5)
+        with pytest.raises(RefitVerificationError, match="shard"):
+            sync.sync_weights()
+    finally:
+        sync.shutdown()
+    assert all(e._refit_state().nixl is None for s in engines for e in s)  # shutdown closed the agents
+
+
+def test_nixl_transport_only_for_the_reshard_path():
+    trainers = [SyntheticTrainer(0, 1, hidden=HIDDEN)]
+    engines = [[SyntheticEngine(0, 0, 1, hidden=HIDDEN)]]
+    with pytest.raises(RefitError, match="ReshardWeightSynchronizer"):
+        refit.CollectiveWeightSynchronizer(trainers, engines, transport="nixl")
+    with pytest.raises(RefitError, match="transport must be"):
+        refit.ReshardWeightSynchronizer(trainers, engines, transport="ucx")

@@ -1,0 +1,141 @@
+"""The simulator and the bandwidth lower bound; ``refit plan`` end to end on small configs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refit import Replicate, Shard
+from refit.cli import main
+from refit.plan import build_rank_plan, merge_rosters
+from refit.sim import Topology, balance, lower_bound, simulate, traffic_of
+
+from layouts import rosters_for
+from test_plan import WORLD, scenarios
+
+TOPO = Topology(gpus_per_node=4, nvlink_gbps=400.0, nic_gbps=50.0, latency_us=0.0)  # 8 ranks: two nodes
+
+
+def _traffic(index, topo=TOPO, **kw):
+    return [traffic_of(build_rank_plan(index, r, **kw), topo) for r in range(index.world_size)]
+
+
+def test_topology_nodes_and_links():
+    t = Topology(gpus_per_node=8)
+    assert [t.node(r) for r in (0, 7, 8, 15, 16)] == [0, 0, 1, 1, 2]
+    t = Topology(gpus_per_node=8, nodes=(0, 0, 5, 5))
+    assert t.node(2) == 5 and t.node(9) == 1  # ranks past the list fall back to rank // gpus
+    assert t.bandwidth("nic_in") == 50e9 and t.bandwidth("nvl_out") == 450e9
+    assert "400 Gb/s" in t.describe()
+
+
+def test_simulated_time_of_a_broadcast_by_hand():
+    """One 8 MB tensor from rank 0 (node 0) to four engines: rank 1 on node 0, 4..6 on node 1."""
+    shape = (2048, 1024)  # float32: 8 MiB
+    params = [("w", shape, ([0], [Replicate()], "float32"),
+               [([1], [Replicate()], "float32"), ([4], [Replicate()], "float32"),
+                ([5, 6], [Shard(0)], "float32")])]
+    index = merge_rosters(rosters_for(params, 8), 8)
+    topo = Topology(gpus_per_node=4, nvlink_gbps=400.0, nic_gbps=50.0, latency_us=10.0)
+    traffic = _traffic(index, topo)
+    nbytes = math.prod(shape) * 4
+    t0 = traffic[0]
+    assert t0.ports[0]["nvl_out"] == nbytes and t0.ports[0]["nic_out"] == 2 * nbytes
+    assert traffic[4].ports[0]["nic_in"] == nbytes and traffic[5].ports[0]["nic_in"] == nbytes // 2
+    sim = simulate(traffic, topo)
+    # rank 0's NIC is the busiest port: 2 x 8 MiB at 50 GB/s, plus one round of direct buckets
+    assert sim.seconds == pytest.approx(2 * nbytes / 50e9 + 10e-6)
+    assert sim.phases[0].bottleneck_rank == 0 and sim.phases[0].bottleneck_port == "nic_out"
+    bound = lower_bound(index, topo)
+    assert bound.seconds == pytest.approx(2 * nbytes / 50e9)  # a single holder owes both NIC copies
+    assert bound.owed_bytes == 3 * nbytes and bound.per_rank_in[5] == nbytes // 2
+    # relaying: one copy crosses to node 1, and that node's four NICs can share it
+    relay = lower_bound(index, topo, relay=True)
+    assert relay.seconds == pytest.approx(nbytes / (4 * 50e9))
+    assert relay.binding.startswith("node_ingress")
+
+
+def test_balance():
+    assert balance([1, 1, 2]) == {"max": 2, "ideal": 4 / 3, "ratio": 1.5, "ranks": 3}
+    assert balance([])["ratio"] == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios(), st.sampled_from([1 << 4, 1 << 20]))
+def test_bound_never_exceeds_any_plan(params, stripe_bytes):
+    """The bound is a bound: no plan beats it, with or without fan-out; relaying only lowers it."""
+    index = merge_rosters(rosters_for(params, WORLD), WORLD)
+    plain = simulate(_traffic(index), TOPO)
+    bound = lower_bound(index, TOPO)
+    assert bound.seconds <= plain.seconds * (1 + 1e-9)
+    fan = simulate(_traffic(index, fanout=True, fanout_stripe_bytes=stripe_bytes), TOPO)
+    relay = lower_bound(index, TOPO, relay=True)
+    assert relay.seconds <= fan.seconds * (1 + 1e-9)
+    assert relay.seconds <= bound.seconds * (1 + 1e-9)
+    assert relay.owed_bytes <= bound.owed_bytes
+
+
+def test_point_to_point_plan_meets_its_bound_on_a_symmetric_layout():
+    """4 source replicas, 4 engines of TP2 on the other node: every link is evenly used."""
+    params = [(f"layer{i}.w", (512, 256), (np.arange(4), [Replicate()], "bfloat16"),
+               [(np.array([4 + 2 * e % 4, 5 + 2 * e % 4]), [Shard(0)], "bfloat16") for e in range(2)])
+              for i in range(8)]
+    index = merge_rosters(rosters_for(params, 8), 8)
+    sim = simulate(_traffic(index), TOPO)
+    bound = lower_bound(index, TOPO)
+    assert sim.seconds == pytest.approx(bound.seconds, rel=0.02)
+
+
+# -- refit plan --------------------------------------------------------------------------------
+
+SMALL = ["plan", "--model", "llama3-8b", "--layers", "4", "--train", "tp=2,pp=2", "--train-gpus", "8",
+         "--engine", "tp=2", "--engine-gpus", "8", "--repeats", "1"]
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--json", "--png", "--rank", "--nic-gbps", "--nvlink-gbps", "--gpus-per-node", "--fanout", "--scaling"):
+        assert flag in out
+
+
+def test_cli_json_report(capsys):
+    assert main(SMALL + ["--json", "--scaling", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world"] == 16 and report["index"]["params"] == 3 + 4 * 9
+    assert report["plan_build"]["max_seconds"] > 0 and len(report["plan_build"]["samples"]) == 6
+    by = {v["variant"]: v for v in report["variants"]}
+    plain, fan = by["no fan-out"], by["fan-out (inside nodes)"]
+    for v in by.values():
+        assert v["consistent"] is True
+        assert v["simulated"]["seconds"] >= v["lower_bound"]["seconds"]
+        assert v["receivers"]["ratio"] <= 1.05
+    assert plain["sim_over_bound"] <= 1.10
+    # 4 engine replicas (8 ranks for the replicated norms) inside one node: one copy per group
+    assert fan["bytes_from_sources"] == pytest.approx(plain["bytes_from_sources"] / 4, rel=1e-4)
+    assert fan["bytes_from_sources"] <= plain["bytes_from_sources"] / 4
+    assert fan["simulated"]["seconds"] < plain["simulated"]["seconds"]
+    assert report["scaling"][0]["engine_ranks"] == 8
+
+
+def test_cli_one_rank_and_text(capsys):
+    assert main(SMALL + ["--rank", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 9: plan built in" in out and "receives" in out
+    assert main(SMALL + ["--fanout", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "no fan-out" in out and "sim/bound" in out
+
+
+def test_cli_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    assert main(SMALL + ["--png", str(path), "--fanout", "off,node"]) == 0
+    assert path.stat().st_size > 10_000

@@ -1,0 +1,318 @@
+"""Synchronizers driven in-process (``LocalWorker``: one thread and one gloo rank per worker).
+
+The control plane without Ray: correctness of both data paths, verification, membership
+changes, settling, and the errors. Real processes, real deaths and real freezes are in
+``test_recovery_ray.py``.
+"""
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import refit
+from refit.errors import PlanError
+from refit.fleet import SyntheticEngine, SyntheticTrainer, _engine_placement, synthetic_shapes
+from refit.membership import NoSurvivingShards
+from refit.sync import (
+    NoAbsentShard,
+    RefitVerificationError,
+    RefitWorkerError,
+    WeightSynchronizer,
+    _settle_before_propagating,
+)
+from refit.workers import LocalWorker, WorkerDied, _LocalPending
+
+SYNCS = [refit.ReshardWeightSynchronizer, refit.CollectiveWeightSynchronizer]
+HIDDEN = 48
+
+
+def make_fleet(t, s, w, **engine_kw):
+    trainers = [SyntheticTrainer(r, t, hidden=HIDDEN) for r in range(t)]
+    engines = [[SyntheticEngine(i, j, w, hidden=HIDDEN, **engine_kw) for j in range(w)] for i in range(s)]
+    return trainers, engines
+
+
+def set_step(trainers, step):
+    for tr in trainers:
+        tr.set_step(step)
+
+
+def wrong_weights(engines, step, shards=None):
+    shards = range(len(engines)) if shards is None else shards
+    return {(s, w): bad for s in shards for w, e in enumerate(engines[s]) if (bad := e.check_weights(step))}
+
+
+@pytest.fixture
+def synced():
+    made = []
+
+    def build(cls, t=2, s=2, w=2, engine_kw=None, **kw):
+        trainers, engines = make_fleet(t, s, w, **(engine_kw or {}))
+        kw.setdefault("refit_timeout_s", 20.0)
+        sync = cls(trainers, engines, **kw)
+        made.append(sync)
+        return sync, trainers, engines
+
+    yield build
+    for sync in made:
+        sync.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", SYNCS, ids=["reshard", "collective"])
+@pytest.mark.parametrize("topology", [(2, 2, 2), (1, 3, 1), (3, 2, 3)], ids=lambda t: "t%ds%dw%d" % t)
+def test_weights_arrive_exactly(synced, cls, topology):
+    sync, trainers, engines = synced(cls, *topology)
+    assert isinstance(sync, WeightSynchronizer)
+    sync.init_communicator()
+    for step in (1, 2):
+        set_step(trainers, step)
+        res = sync.sync_weights()
+        assert res.verified and not res.recovered and res.failure is None
+        assert res.shards == list(range(topology[1])) and res.absent_shards == []
+        assert res.bytes > 0 and res.gbps > 0
+        assert [e.kind for e in res.events if e.kind != "round"] == ["check", "transfer", "verify", "commit"]
+        assert [e.detail.split(":")[0] for e in res.events if e.kind == "round"] == ["transfer", "commit"]
+        assert wrong_weights(engines, step) == {}
+        assert {e.loads for s in engines for e in s} == {step}
+
+
+@pytest.mark.timeout(60)
+def test_reshard_moves_fewer_bytes_than_the_broadcast_baseline(synced):
+    moved = {}
+    for cls in SYNCS:
+        sync, trainers, _ = synced(cls, 2, 3, 2)
+        set_step(trainers, 7)
+        moved[cls.mode] = sync.sync_weights().bytes  # builds on first use
+    # every engine element exactly once per replica that holds it: bf16, 3 shards of 2 workers
+    wire = sum(torch.Size(shape).numel() * (2 if isinstance(_engine_placement(name), refit.Replicate) else 1)
+               for name, shape in synthetic_shapes(HIDDEN).items()) * 2 * 3
+    assert moved["reshard"] == wire
+    assert moved["broadcast"] > 2 * moved["reshard"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", SYNCS, ids=["reshard", "collective"])
+def test_corrupted_byte_fails_verification_and_names_the_shard(synced, cls):
+    sync, trainers, engines = synced(cls, 2, 2, 2)
+    sync.init_communicator()
+    shard1_rank = 2 + 2 * 1  # trainers 0..1, then shard 0 (ranks 2, 3), shard 1 (ranks 4, 5)
+    trainers[0].refit_inject_fault(peer=shard1_rank, byte=5)
+    set_step(trainers, 3)
+    with pytest.raises(RefitVerificationError) as info:
+        sync.sync_weights()
+    err = info.value
+    expected = [1] if cls.mode == "reshard" else [0, 1]  # a broadcast reaches every shard
+    assert err.shards == expected
+    assert "shard 1 worker 0" in str(err) and "trainer rank 0" in str(err)
+    assert any(name in str(err) for name in synthetic_shapes(HIDDEN))
+    assert all(e.loads == 0 for s in engines for e in s)  # never told the weights loaded
+    set_step(trainers, 4)
+    assert sync.sync_weights().verified  # the fault was one-shot; the communicator is fine
+    assert wrong_weights(engines, 4) == {}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", SYNCS, ids=["reshard", "collective"])
+def test_dead_shard_is_excluded_then_readmitted(synced, cls):
+    sync, trainers, engines = synced(cls, 1, 3, 2)
+    sync.init_communicator()
+    assert sync.membership.world_size == 7 and not sync.is_stale
+    sync._engines[1][1].kill()
+    assert sync.is_stale
+    set_step(trainers, 1)
+    res = sync.sync_weights()
+    assert res.verified and res.rebuilt and res.shards == [0, 2] and res.absent_shards == [1]
+    assert sync.membership.shard_prefixes == {0: 0, 2: 2} and sync.membership.world_size == 5
+    assert wrong_weights(engines, 1, shards=[0, 2]) == {}
+
+    fresh = [SyntheticEngine(1, w, 2, hidden=HIDDEN) for w in range(2)]
+    sync.replace_shard(1, fresh)
+    engines[1] = fresh
+    assert sync.is_stale
+    set_step(trainers, 2)
+    res = sync.sync_weights()
+    assert res.verified and res.rebuilt and res.shards == [0, 1, 2]
+    assert wrong_weights(engines, 2) == {}
+    set_step(trainers, 3)
+    res = sync.sync_weights()
+    assert not res.rebuilt and wrong_weights(engines, 3) == {}
+
+
+@pytest.mark.timeout(60)
+def test_replacing_a_live_shard_rebuilds_even_though_membership_is_unchanged(synced):
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
+    sync.init_communicator()
+    fresh = [SyntheticEngine(0, 0, 1, hidden=HIDDEN)]
+    sync.replace_shard(0, fresh)
+    set_step(trainers, 5)
+    res = sync.sync_weights()
+    assert res.rebuilt and res.verified and fresh[0].check_weights(5) == []
+    assert engines[0][0].refit_ping()  # the old worker was torn down, not broken
+    assert engines[0][0]._refit_state().group is None
+
+
+@pytest.mark.timeout(60)
+def test_every_shard_gone_raises_no_surviving_shards(synced):
+    sync, trainers, _ = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
+    sync.init_communicator()
+    for shard in sync._engines:
+        shard[0].kill()
+    with pytest.raises(NoSurvivingShards, match="all 2 generation shards are gone"):
+        sync.sync_weights()
+    with pytest.raises(NoSurvivingShards):
+        sync.reconcile_communicator([0, 1], force=True)
+
+
+@pytest.mark.timeout(60)
+def test_dead_trainer_is_reported_not_excluded(synced):
+    sync, _, _ = synced(refit.ReshardWeightSynchronizer, 2, 2, 1)
+    sync.init_communicator()
+    sync._trainers[1].kill()
+    with pytest.raises(RefitWorkerError, match=r"trainer rank\(s\) \[1\] are dead; trainers are never excluded"):
+        sync.sync_weights()
+
+
+@pytest.mark.timeout(60)
+def test_reconcile_follows_should_rebuild(synced):
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 3, 1)
+    sync.init_communicator()
+    built = sync.membership
+    assert sync.reconcile_communicator([], force=False) is False
+    assert sync.reconcile_communicator([], force=True) is False  # a frozen rank: nothing to exclude
+    assert sync.membership is built
+    assert sync.reconcile_communicator([2], force=False) is True
+    assert sync.membership.surviving_shards == [0, 1]
+    assert sync.reconcile_communicator([2], force=True) is True  # forced: the communicator is gone
+    assert sync.reconcile_communicator([], force=False) is True  # shard 2 re-admitted
+    assert sync.membership.surviving_shards == [0, 1, 2]
+    set_step(trainers, 9)
+    assert sync.sync_weights().verified and wrong_weights(engines, 9) == {}
+
+
+class StuckEngine(SyntheticEngine):
+    """An engine that stops answering in the middle of a transfer, until released."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.stuck = threading.Event()
+        self.release = threading.Event()
+
+    def on_refit_start(self):
+        if self.stuck.is_set():
+            self.release.wait(30)
+
+
+@pytest.mark.timeout(60)
+def test_frozen_rank_raises_no_absent_shard_in_bounded_time(synced):
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 2, 1, refit_timeout_s=1.0, grace_s=1.0,
+                                     ping_timeout_s=0.5)
+    frozen = StuckEngine(1, 0, 1, hidden=HIDDEN)
+    sync.replace_shard(1, [frozen])
+    engines[1] = [frozen]
+    sync.init_communicator()
+    frozen.stuck.set()
+    set_step(trainers, 1)
+    t0 = time.monotonic()
+    with pytest.raises(NoAbsentShard) as info:
+        sync.sync_weights()
+    elapsed = time.monotonic() - t0
+    bound = sync.refit_timeout_s + sync._settle_budget_s() + sync.ping_timeout_s + 2.0
+    assert elapsed < bound, (elapsed, bound)
+    msg = str(info.value)
+    assert "no generation shard could be identified as absent" in msg and "shard 1 worker 0" in msg
+    assert info.value.timed_out == ["shard 1 worker 0"]
+    frozen.stuck.clear()
+    frozen.release.set()
+    set_step(trainers, 2)
+    res = sync.sync_weights()  # the communicator is rebuilt over the same fleet
+    assert res.verified and res.rebuilt and res.shards == [0, 1]
+    assert wrong_weights(engines, 2) == {}
+
+
+class FailingPending(_LocalPending):
+    pass
+
+
+@pytest.mark.timeout(30)
+def test_settle_waits_for_stragglers_swallows_errors_and_is_bounded():
+    import concurrent.futures as cf
+
+    pool = cf.ThreadPoolExecutor(3)
+    worker = LocalWorker.__new__(LocalWorker)
+    worker.name, worker.dead = "w", False
+    gate = threading.Event()
+
+    def late_failure():
+        time.sleep(0.2)
+        raise RuntimeError("straggler's own version of the failure")
+
+    late = _LocalPending(pool.submit(late_failure), worker)
+    t0 = time.monotonic()
+    assert _settle_before_propagating([late], 5.0, "test") == []
+    assert 0.15 < time.monotonic() - t0 < 2.0  # waited for it, and did not raise its error
+
+    stuck = _LocalPending(pool.submit(gate.wait, 10), worker)
+    t0 = time.monotonic()
+    assert _settle_before_propagating([stuck], 0.3, "test") == [stuck]
+    assert 0.25 < time.monotonic() - t0 < 2.0  # bounded by the budget
+    gate.set()
+    pool.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_local_worker_death_surfaces_as_worker_died():
+    w = LocalWorker(SyntheticEngine(0, 0, 1, hidden=HIDDEN), "shard 0 worker 0")
+    assert w.call("refit_ping").result(5)["pid"]
+    w.kill()
+    with pytest.raises(WorkerDied):
+        w.call("refit_ping").result(5)
+    w.close()
+
+
+class WideMeshEngine(SyntheticEngine):
+    def refit_destinations(self):
+        out = dict(super().refit_destinations())
+        name = "norm.weight"
+        t, shape, _, placements = out[name]
+        out[name] = (t, shape, [0, 1, 2], placements)
+        return out
+
+
+class GreedyEngine(SyntheticEngine):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.extra = torch.zeros(4)
+
+    def refit_destinations(self):
+        return {**super().refit_destinations(), "lm_head.weight": (self.extra, (4,), [0], [refit.Replicate()])}
+
+
+@pytest.mark.timeout(60)
+def test_errors_name_the_shard_rank_and_param(synced):
+    sync, _, _ = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
+    sync.replace_shard(1, [WideMeshEngine(1, 0, 1, hidden=HIDDEN)])
+    with pytest.raises(RefitWorkerError) as info:
+        sync.init_communicator()
+    msg = str(info.value)
+    assert info.value.phase == "connect"
+    assert "shard 1 worker 0" in msg and "norm.weight" in msg and "names worker(s) [1, 2]" in msg
+
+    sync2, _, _ = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
+    sync2.replace_shard(0, [GreedyEngine(0, 0, 1, hidden=HIDDEN)])
+    with pytest.raises(PlanError) as info:
+        sync2.init_communicator()
+    msg = str(info.value)
+    assert "lm_head.weight" in msg and "no source rank holds it" in msg and "1=shard 0 worker 0" in msg
+
+
+def test_import_refit_does_not_import_ray():
+    code = "import refit, sys; assert 'ray' not in sys.modules; print(refit.ReshardWeightSynchronizer.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("ReshardWeightSynchronizer", "CollectiveWeightSynchronizer", "RefitAbortWatchdog", "RefitAborted"):
+        assert hasattr(refit, name)
