@@ -125,6 +125,7 @@ class PlanExecutor:
         self.device = device
         self.verify = verify
         self._corrupt = corrupt  # fault injection for tests: mutates a packed send buffer
+        self._view_cache: dict[str, tuple] = {}
         self._by_round_send: dict[int, list[Bucket]] = {}
         self._by_round_recv: dict[int, list[Bucket]] = {}
         for b in plan.sends:
@@ -158,16 +159,12 @@ class PlanExecutor:
         # straight into the destination tensors, so posting every one of them costs no
         # memory, and nobody waits on them until the staged rounds are done.
         direct_recvs, direct_sends = [], []
-        for b in self.plan.recvs:
-            view = _direct_view(b, dst, "dst")
-            if view is not None:
-                direct_recvs.append((b, view, True, self.comm.irecv(view, b.peer, tag=b.index)))
-        for b in self.plan.sends if self._corrupt is None else ():
-            view = _direct_view(b, src, "src")
-            if view is not None:
-                if self.verify:
-                    stats.checksums_sent[(b.peer, b.index)] = checksum(view)
-                direct_sends.append((b, view, True, self.comm.isend(view, b.peer, tag=b.index)))
+        for b, view in self._direct_views(dst, "dst"):
+            direct_recvs.append((b, view, True, self.comm.irecv(view, b.peer, tag=b.index)))
+        for b, view in self._direct_views(src, "src") if self._corrupt is None else ():
+            if self.verify:
+                stats.checksums_sent[(b.peer, b.index)] = checksum(view)
+            direct_sends.append((b, view, True, self.comm.isend(view, b.peer, tag=b.index)))
         stats.zero_copy_buckets = len(direct_recvs) + len(direct_sends)
         done = {("recv", w[0].peer, w[0].index) for w in direct_recvs}
         done |= {("send", w[0].peer, w[0].index) for w in direct_sends}
@@ -207,6 +204,22 @@ class PlanExecutor:
         self._finish((direct_recvs, direct_sends), dst, stats)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _direct_views(self, tensors: Mapping[str, torch.Tensor], side: str) -> list[tuple[Bucket, torch.Tensor]]:
+        """Buckets that move straight from / into ``tensors``, with their byte views.
+
+        Kept across runs while the same tensor objects are handed in: a refit repeats
+        every step with the same parameters, and rebuilding hundreds of views each time
+        costs a CPU host more than the copies they avoid.
+        """
+        key = (side, tuple((n, id(t)) for n, t in tensors.items()))
+        cached = self._view_cache.get(side)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        buckets = self.plan.recvs if side == "dst" else self.plan.sends
+        views = [(b, v) for b in buckets if (v := _direct_view(b, tensors, side)) is not None]
+        self._view_cache[side] = (key, views, dict(tensors))  # holds the tensors: ids stay theirs
+        return views
 
     def _pack(self, b: Bucket, src: Mapping[str, torch.Tensor], device) -> torch.Tensor:
         return pack_bucket(b, src, torch.empty(b.nbytes, dtype=torch.uint8, device=device))

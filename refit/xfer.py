@@ -32,7 +32,7 @@ from refit.plan import (
     build_rank_plan,
     merge_rosters,
 )
-from refit.transport import execute_plan
+from refit.transport import PlanExecutor, execute_plan
 
 PARAM = "tensor"
 _plan_cache = PlanCache(max_entries=256)
@@ -214,9 +214,15 @@ class Resharder:
         self.plan = build_rank_plan(self.index, self.comm.rank, bucket_bytes=bucket_bytes)
         self.plan_seconds = time.perf_counter() - t0
         self.depth = depth
+        self._executor = None
 
     def run(self, **kwargs):
-        return execute_plan(self.plan, self.comm, self.src, self.dst, depth=self.depth, **kwargs)
+        """Move every tensor once; returns this rank's ``TransferStats``."""
+        if kwargs:
+            return execute_plan(self.plan, self.comm, self.src, self.dst, depth=self.depth, **kwargs)
+        if self._executor is None:
+            self._executor = PlanExecutor(self.plan, self.comm, depth=self.depth)
+        return self._executor.run(self.src, self.dst)
 
 
 __all__ = ["Resharder", "golden_from_spec", "xferdtensor", "xferdtensor_golden"]
