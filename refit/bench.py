@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each variant [3]")
     p.add_argument("--skip-golden", action="store_true", help="do not time the golden broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--transport", choices=["nccl", "nixl"], default="nccl",
+                   help="with --device cuda: nixl times refit.nixl's one-sided writes next to NCCL on the same "
+                        "plan (needs refit[nixl]) [nccl]")
     try:
         from refit import bench_gpu
     except ImportError:
@@ -296,9 +299,16 @@ def print_table(result: dict) -> None:
 
 def run(args) -> int:
     if args.device == "cuda":
+        if args.transport == "nixl":
+            from refit.nixl import bench as nixl_bench
+
+            return nixl_bench(["--json"] if args.json else [])
         from refit import bench_gpu
 
         return bench_gpu.run_gpu(args)
+    if args.transport != "nccl":
+        print("refit bench: --transport nixl needs --device cuda (the CPU bench runs over gloo)")
+        return 2
     result = run_cpu(args)
     if args.json:
         print(json.dumps(result, indent=2))
