@@ -346,7 +346,7 @@ class Op:
     src_dtype: str
     dst_dtype: str
     wire_dtype: str
-    direct: bool = False  # one end holds it contiguous with no cast: that end can skip staging
+    direct: bool = False  # contiguous in both local tensors, no cast: can skip staging
 
     @cached_property
     def nbytes(self) -> int:
@@ -723,8 +723,8 @@ class _FormPlanner:
                 box = Box(box.start, box.shape, box.src_start,
                           tuple(x + offset if i == d else x for i, x in enumerate(box.dst_start)))
             for piece in split_box(box, itemsize, self.bucket_bytes):
-                direct = ((src_plain and _contiguous(piece.shape, src_shape))
-                          or (dst_plain and _contiguous(piece.shape, dst_shape)))
+                direct = (src_plain and dst_plain and _contiguous(piece.shape, src_shape)
+                          and _contiguous(piece.shape, dst_shape))
                 out.append(_Block(piece, direct))
         self._blocks[memo_key] = out
         return out
@@ -1119,10 +1119,12 @@ def pack_buckets(ops: Sequence[Op], peer: int, bucket_bytes: int, direct_bytes: 
     """Greedy packing of one pair's ops, in canonical order, into buckets of at most
     ``bucket_bytes``; each op aligned to its element size so it can be viewed in place.
 
-    An op of at least ``direct_bytes`` that one end holds contiguous with no cast gets a
-    bucket of its own, after the packed ones: the transport then sends it from, or
-    receives it into, the tensor itself, so at most one end copies through staging (the
-    largest cost on a CPU host) instead of both.
+    An op of at least ``direct_bytes`` that is contiguous on both ends with no cast gets
+    a bucket of its own, after the packed ones: the transport then sends it from, and
+    receives it into, the tensors themselves, and the copies in and out of staging (the
+    largest cost on a CPU host) disappear for the bulk of a model's bytes. A block that
+    only one end holds contiguous stays packed: alone, its staged end would take a round
+    of its own, and many medium blocks would then move one round trip at a time.
     """
     direct_bytes = DEFAULT_DIRECT_BYTES if direct_bytes is None else direct_bytes
     ordered = sorted(ops, key=Op.sort_key)

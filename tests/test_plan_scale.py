@@ -73,9 +73,8 @@ def reference_ops(index, rank: int, bucket_bytes: int) -> list[tuple]:
             res = []
             for box in intersect_regions(sreg, dreg):
                 for p in split_box(box, _itemsize(wire), bucket_bytes):
-                    # an end that holds the block contiguous in the wire dtype can skip staging
-                    direct = ((src.dtype == wire and _contiguous(p.shape, region_shape(sreg)))
-                              or (dsts[g].dtype == wire and _contiguous(p.shape, region_shape(dreg))))
+                    direct = (src.dtype == wire == dsts[g].dtype and _contiguous(p.shape, region_shape(sreg))
+                              and _contiguous(p.shape, region_shape(dreg)))
                     res.append((task_id(name, d, p.start, p.shape), name, s, d, p, wire, direct))
             return res
 
