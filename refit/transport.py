@@ -98,6 +98,9 @@ def checksum(buf: torch.Tensor) -> int:
     return (total + buf.numel()) & 0xFFFFFFFFFFFF
 
 
+_POOL_GRAIN = 1 << 20  # staging capacities are rounded up to this, so odd sizes share buffers
+
+
 class PlanExecutor:
     """Runs a ``RankPlan`` against this rank's source and destination local tensors."""
 
@@ -233,11 +236,14 @@ class PlanExecutor:
         pool never holds more than the peak staging of one refit; ``release_staging()``
         gives it back.
         """
-        free = self._pool.get((nbytes, str(device)))
-        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device=device)
+        capacity = -(-nbytes // _POOL_GRAIN) * _POOL_GRAIN
+        free = self._pool.get((capacity, str(device)))
+        base = free.pop() if free else torch.empty(capacity, dtype=torch.uint8, device=device)
+        return base[:nbytes]
 
     def _recycle(self, buf: torch.Tensor) -> None:
-        self._pool.setdefault((buf.numel(), str(buf.device)), []).append(buf)
+        base = buf._base if buf._base is not None else buf
+        self._pool.setdefault((base.numel(), str(base.device)), []).append(base)
 
     def release_staging(self) -> None:
         """Drop the pooled staging buffers (they are otherwise reused by the next run)."""
