@@ -66,7 +66,7 @@ import torch
 
 from refit.errors import PlanError, RefitError, TransportError
 from refit.plan import Bucket, RankPlan
-from refit.transport import TransferStats, _direct_view, checksum, pack_bucket, unpack_bucket
+from refit.transport import TransferStats, checksum, direct_view, pack_bucket, unpack_bucket
 from refit.watchdog import RefitAborted
 
 __all__ = [
@@ -422,7 +422,7 @@ class NixlTransport:
                 if missing:
                     raise PlanError(f"rank {self.rank}: the plan {'sends' if side == 'src' else 'receives'} "
                                     f"{missing} but no {side} tensor was given for it")
-                view = _direct_view(b, tensors, side) if self.direct else None
+                view = direct_view(b, tensors, side) if self.direct else None
                 views.append(view if view is not None and view.numel() else None)
             sig = tuple((b, None if v is None else v.data_ptr()) for b, v in zip(bs, views))
             prev = old.get(peer)
@@ -791,7 +791,7 @@ class NixlTransport:
                 if s.staging is not None:
                     continue
                 name = s.bucket.ops[0].name
-                view = _direct_view(s.bucket, dst, "dst") if name in dst else None
+                view = direct_view(s.bucket, dst, "dst") if name in dst else None
                 if view is None or view.data_ptr() != s.addr:
                     moved.append(name)
         if moved:
@@ -808,7 +808,7 @@ class NixlTransport:
             if s.staging is not None:
                 buf = pack_bucket(b, src, s.view())
             else:
-                buf = _direct_view(b, src, "src")
+                buf = direct_view(b, src, "src")
                 if buf is None:
                     raise PlanError(f"rank {self.rank}: {b.ops[0].name} is no longer contiguous in "
                                     f"{b.ops[0].wire_dtype}; prepare() again with the new tensors")
@@ -839,7 +839,7 @@ class NixlTransport:
             if tmp is not None:
                 out.append((tmp.data_ptr(), b.nbytes, self._dev))
                 continue
-            view = _direct_view(b, src, "src")
+            view = direct_view(b, src, "src")
             ptr, _ = _storage_span(src[b.ops[0].name])
             if ptr not in self._regs:  # the source tensor was replaced: register it (local only)
                 self._register(src[b.ops[0].name])
@@ -906,7 +906,7 @@ class NixlTransport:
         for s in pair.slots[lo: hi]:
             b = s.bucket
             if verify and b.nbytes:
-                buf = s.view() if s.staging is not None else _direct_view(b, dst, "dst")
+                buf = s.view() if s.staging is not None else direct_view(b, dst, "dst")
                 stats.checksums_received[(b.peer, b.index)] = _checksum(buf)
             if s.staging is not None:
                 unpack_bucket(b, s.view(), dst)

@@ -1332,6 +1332,21 @@ class PlanCache:
         self._plans.clear()
 
 
+def source_shards(spec: ParamSpec) -> list[tuple[int, Region]]:
+    """Each distinct source shard of a param once, as (its first replica, its region), in mesh order.
+
+    What a broadcast-based refit sends: one broadcast per shard, rooted at one replica.
+    """
+    seen, out = set(), []
+    for r in spec.src.mesh_ranks:
+        key = spec.src.shard_key(r)
+        if key not in seen:
+            seen.add(key)
+            root = spec.src.replicas(key)[0]
+            out.append((root, spec.src.region(spec.shape, root)))
+    return out
+
+
 def min_bytes_needed(index: ParamIndex) -> int:
     """Bytes that must cross the wire: every destination element a rank does not already hold."""
     total = 0

@@ -39,6 +39,7 @@ import torch
 from refit.errors import TransportError
 from refit.layout import dtype_from_name
 from refit.plan import Bucket, RankPlan
+from refit.transport import direct_view
 
 DEFAULT_STAGING_BUDGET = 1 << 30
 DEFAULT_GROUP_BYTES = 1 << 30
@@ -83,20 +84,6 @@ def direct_ptr(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -
         return None
     start = op.box.src_start if side == "src" else op.box.dst_start
     return t.data_ptr() + t.element_size() * sum(a * st for a, st in zip(start, strides))
-
-
-def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> torch.Tensor | None:
-    """The tensor region itself as bytes, when the bucket is one block needing no cast or gather."""
-    if len(bucket.ops) != 1:
-        return None
-    op = bucket.ops[0]
-    t = tensors[op.name]
-    if t.dtype != dtype_from_name(op.wire_dtype):
-        return None
-    view = t[op.box.src_slices() if side == "src" else op.box.dst_slices()]
-    if not view.is_contiguous():
-        return None
-    return _flat(view)
 
 
 # -- fences and lanes ----------------------------------------------------------------------

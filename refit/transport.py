@@ -52,7 +52,7 @@ def _op_view(buf: torch.Tensor, op: Op, offset: int) -> torch.Tensor:
     return buf[offset: offset + op.nbytes].view(dtype_from_name(op.wire_dtype)).view(op.box.shape)
 
 
-def _direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> torch.Tensor | None:
+def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> torch.Tensor | None:
     """The tensor region itself, when the bucket is one block needing no cast or gather."""
     if len(bucket.ops) != 1:
         return None
@@ -221,7 +221,7 @@ class PlanExecutor:
         if cached is not None and cached[0] == key:
             return cached[1]
         buckets = self.plan.recvs if side == "dst" else self.plan.sends
-        views = [(b, v) for b in buckets if (v := _direct_view(b, tensors, side)) is not None]
+        views = [(b, v) for b in buckets if (v := direct_view(b, tensors, side)) is not None]
         self._view_cache[side] = (key, views, dict(tensors))  # holds the tensors: ids stay theirs
         return views
 

@@ -37,7 +37,7 @@ from refit.layout import (
     intersect_regions,
     region_shape,
 )
-from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout
+from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout, source_shards
 from refit.transport import PlanExecutor, TransferStats, checksum
 from refit.watchdog import RefitAborted, RefitAbortWatchdog
 
@@ -147,14 +147,7 @@ def broadcast_schedule(index: ParamIndex, rank: int) -> list[_BroadcastItem]:
         for lay in spec.dsts:
             if lay.coords(rank) is not None:
                 dst_region = lay.region(spec.shape, rank)
-        seen = set()
-        for r in spec.src.mesh_ranks:
-            key = spec.src.shard_key(r)
-            if key in seen:
-                continue
-            seen.add(key)
-            root = spec.src.replicas(key)[0]
-            region = spec.src.region(spec.shape, root)
+        for root, region in source_shards(spec):
             shape = region_shape(region)
             if int(np.prod(shape)) == 0:
                 continue

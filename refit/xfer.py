@@ -31,6 +31,7 @@ from refit.plan import (
     TensorLayout,
     build_rank_plan,
     merge_rosters,
+    source_shards,
 )
 from refit.transport import PlanExecutor, execute_plan
 
@@ -151,14 +152,7 @@ def golden_from_spec(comm, spec, src_local: torch.Tensor | None, dst_local: torc
     device = next((t.device for t in (src_local, dst_local) if t is not None), torch.device("cpu"))
     full = torch.empty(spec.shape, dtype=src_dtype, device=device)
     whole = tuple(((0, n),) if n else () for n in spec.shape)
-    seen = set()
-    for r in spec.src.mesh_ranks:
-        key = spec.src.shard_key(r)
-        if key in seen:
-            continue
-        seen.add(key)
-        root = spec.src.replicas(key)[0]
-        region = spec.src.region(spec.shape, root)
+    for root, region in source_shards(spec):
         shape = region_shape(region)
         if math.prod(shape) == 0:
             continue
