@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import threading
 import time
 
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
@@ -45,13 +44,12 @@ class _Killer:
         self.pid = None
 
     def on_phase(self, phase: str) -> None:
+        # Killed as the transfer is dispatched: the communicators and the plan of this
+        # refit are built and its peers are about to send to it. A timer would race a
+        # tiny model's transfer, which can end within milliseconds.
         if self.armed and phase == "transfer":
             self.armed = False
-            # a moment into the transfer, so the worker dies mid-refit rather than before it
-            threading.Timer(0.05, self._kill).start()
-
-    def _kill(self) -> None:
-        self.pid = self.fleet.signal_worker(self.shard, self.worker, signal.SIGKILL)
+            self.pid = self.fleet.signal_worker(self.shard, self.worker, signal.SIGKILL)
 
 
 def _check_engines(fleet, shards, reference, timeout_s):
@@ -180,7 +178,7 @@ def print_table(result: dict) -> None:
             f"{r['max_abs_logit_diff']:.1e}" + ("" if r["tokens_match"] else " (tokens differ)"),
             str(r["shards"]), _short_event(r),
         )
-    console = Console()
+    console = Console(width=None if Console().is_terminal else 150)
     console.print(table)
     for note in notes:
         console.print(f"  {note}")
@@ -247,7 +245,7 @@ def run(args) -> int:
         else:
             from rich.console import Console
 
-            console = Console()
+            console = Console(width=None if Console().is_terminal else 150)
             with console.status("starting") as status:
                 result = run_demo(args, progress=lambda text: status.update(text))
             print_table(result)
