@@ -1,0 +1,34 @@
+"""`refit demo` as a user runs it: a real local Ray cluster, a kill mid-refit, recovery, re-admission."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("transformers")
+
+
+@pytest.mark.timeout(400)
+def test_refit_demo_json_reports_recovery_and_readmission():
+    proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--json", "--steps", "3"],
+                          capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    result = json.loads(out[out.index("{"):])
+    steps = result["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["verified"] and s["tokens_match"] and s["max_abs_logit_diff"] <= 1e-5 for s in steps)
+    assert steps[0]["shards"] == [0, 1]
+    assert steps[1]["shards"] == [0] and steps[1]["recovery_s"] is not None  # lost mid-refit, recovered
+    assert steps[2]["shards"] == [0, 1]  # restarted and re-admitted
+    assert result["all_verified_and_logits_match"] and result["killed_shard_readmitted"]
+
+
+def test_refit_demo_says_clearly_when_ray_is_unreachable():
+    proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--address", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "no Ray cluster answers at 127.0.0.1:1" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
