@@ -612,7 +612,7 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cfg(args) -> dict:
-    get = lambda k, d: getattr(args, k, d)  # noqa: E731 - the lead's parser may not carry every option
+    get = lambda k, d: getattr(args, k, d)  # noqa: E731 - a caller's parser may not carry every option
     return {
         "layers": get("gpu_layers", 32), "bucket_mib": get("gpu_bucket_mib", 1024),
         "bucket32_mib": get("gpu_bucket32_mib", 512), "group_mib": get("gpu_group_mib", 1024),
