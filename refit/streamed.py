@@ -37,9 +37,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from refit.errors import TransportError
-from refit.layout import dtype_from_name
 from refit.plan import Bucket, RankPlan
-from refit.transport import direct_view
+from refit.transport import _op_view, direct_view, single_block
 
 DEFAULT_STAGING_BUDGET = 1 << 30
 DEFAULT_GROUP_BYTES = 1 << 30
@@ -52,10 +51,6 @@ def _align(n: int) -> int:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
-
-
-def _op_view(buf: torch.Tensor, op, offset: int) -> torch.Tensor:
-    return buf[offset: offset + op.nbytes].view(dtype_from_name(op.wire_dtype)).view(op.box.shape)
 
 
 def _contiguous(shape, strides) -> bool:
@@ -73,12 +68,10 @@ def _contiguous(shape, strides) -> bool:
 def direct_ptr(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> int | None:
     """Device address of the bucket's block in the tensor itself, when it can go on the wire
     as is (one block, wire dtype, contiguous): arithmetic only, no tensor views."""
-    if len(bucket.ops) != 1:
+    found = single_block(bucket, tensors)
+    if found is None:
         return None
-    op = bucket.ops[0]
-    t = tensors[op.name]
-    if t.dtype != dtype_from_name(op.wire_dtype):
-        return None
+    op, t = found
     strides = t.stride()
     if not _contiguous(op.box.shape, strides):
         return None

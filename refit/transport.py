@@ -52,14 +52,21 @@ def _op_view(buf: torch.Tensor, op: Op, offset: int) -> torch.Tensor:
     return buf[offset: offset + op.nbytes].view(dtype_from_name(op.wire_dtype)).view(op.box.shape)
 
 
-def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> torch.Tensor | None:
-    """The tensor region itself, when the bucket is one block needing no cast or gather."""
+def single_block(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> tuple[Op, torch.Tensor] | None:
+    """The bucket's one op and its tensor, when the bucket is one block already in the wire dtype."""
     if len(bucket.ops) != 1:
         return None
     op = bucket.ops[0]
     t = tensors[op.name]
-    if t.dtype != dtype_from_name(op.wire_dtype):
+    return (op, t) if t.dtype == dtype_from_name(op.wire_dtype) else None
+
+
+def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> torch.Tensor | None:
+    """The tensor region itself, when the bucket is one block needing no cast or gather."""
+    found = single_block(bucket, tensors)
+    if found is None:
         return None
+    op, t = found
     view = t[op.box.src_slices() if side == "src" else op.box.dst_slices()]
     if not view.is_contiguous():
         return None
