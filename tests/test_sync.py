@@ -316,3 +316,18 @@ def test_import_refit_does_not_import_ray():
     assert out.returncode == 0, out.stderr
     for name in ("ReshardWeightSynchronizer", "CollectiveWeightSynchronizer", "RefitAbortWatchdog", "RefitAborted"):
         assert hasattr(refit, name)
+
+
+@pytest.mark.timeout(60)
+def test_backend_follows_the_tensors_and_nccl_over_host_tensors_is_refused_before_any_connect(synced):
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
+    sync.init_communicator()
+    assert all(e._refit_state().group.backend == "gloo" for shard in engines for e in shard)
+
+    forced, _, _ = synced(refit.ReshardWeightSynchronizer, 1, 2, 1, backend="nccl")
+    with pytest.raises(PlanError) as info:
+        forced.init_communicator()
+    msg = str(info.value)
+    assert "backend='nccl'" in msg and "on cpu: trainer rank 0 (rank 0)" in msg and "shard 1 worker 0 (rank 2)" in msg
+    with pytest.raises(refit.errors.RefitError, match="backend must be"):
+        refit.ReshardWeightSynchronizer(*make_fleet(1, 1, 1), backend="mpi")

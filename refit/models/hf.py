@@ -375,18 +375,22 @@ class HFTrainer(TrainerEndpoint):
     """
 
     def __init__(self, config: Any, *, dp: int = 1, tp: int = 1, mesh: Any = None, seed: int = 0, lr: float = 1e-3,
-                 batch_size: int = 2, seq_len: int = 16, data_seed: int = 1234):
+                 batch_size: int = 2, seq_len: int = 16, data_seed: int = 1234, device: str = "cpu"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             raise LayoutError("HFTrainer needs torch.distributed initialised over the trainer ranks")
-        self.mesh = mesh if mesh is not None else init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.mesh = mesh if mesh is not None else init_device_mesh(self.device.type, (dp, tp),
+                                                                   mesh_dim_names=("dp", "tp"))
         self.dp, self.tp = self.mesh["dp"].size(), self.mesh["tp"].size()
         self.rank = dist.get_rank()
         self.config, self.seed = config, seed
         self.batch_size, self.seq_len, self.data_seed = batch_size, seq_len, data_seed
-        self.model = shard_model(build_model(config, seed=seed), self.mesh)
+        self.model = shard_model(build_model(config, seed=seed).to(self.device), self.mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.steps = 0
         self._reference = None
@@ -398,11 +402,12 @@ class HFTrainer(TrainerEndpoint):
     def synthetic_batch(self, step: int) -> torch.Tensor:
         """Token ids ``[batch, seq_len]`` for ``step``, different on every dp rank, the same across tp."""
         g = torch.Generator().manual_seed(self.data_seed + 1000 * step + self.dp_rank)
-        return torch.randint(0, self.config.vocab_size, (self.batch_size, self.seq_len), generator=g)
+        ids = torch.randint(0, self.config.vocab_size, (self.batch_size, self.seq_len), generator=g)
+        return ids.to(self.device)
 
     def train_step(self, input_ids: torch.Tensor | None = None) -> float:
         """One AdamW step on ``input_ids`` (default: the synthetic batch); returns the local loss (collective)."""
-        ids = self.synthetic_batch(self.steps) if input_ids is None else input_ids
+        ids = self.synthetic_batch(self.steps) if input_ids is None else input_ids.to(self.device)
         self.model.train()
         with warnings.catch_warnings():
             # transformers returns views from the FSDP2 root; nothing here modifies them in place
@@ -438,7 +443,7 @@ class HFTrainer(TrainerEndpoint):
         """A plain (unsharded) copy of the model with the current weights (collective)."""
         full = self.full_state()
         if self._reference is None:
-            self._reference = build_model(self.config, seed=self.seed).eval()
+            self._reference = build_model(self.config, seed=self.seed).to(self.device).eval()
         missing, unexpected = self._reference.load_state_dict(full, strict=False)
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
@@ -449,6 +454,7 @@ class HFTrainer(TrainerEndpoint):
     def reference(self, input_ids: torch.Tensor, new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """HF logits ``[b, s, V]`` and greedy tokens ``[b, new_tokens]`` of the current weights (collective)."""
         model = self.reference_model()
+        input_ids = input_ids.to(self.device)
         logits = model(input_ids=input_ids).logits
         return logits, greedy(model, input_ids, new_tokens)
 
@@ -459,26 +465,31 @@ class HFTrainerWorker(HFTrainer):
     Joins the trainer's own torch default group (gloo, ``tcp://master_addr:master_port``) and
     builds the model from ``config`` (an HF config or its ``to_dict()``). ``world_size`` must be
     ``dp * tp``. Its refit ranks are its trainer ranks (``refit_sources`` meshes in ``0..world-1``).
+    ``device="cuda"`` trains on this process's current GPU over NCCL (under Ray, the one GPU
+    the actor was given); results come back on the host.
     """
 
     def __init__(self, rank: int, world_size: int, *, config: Any, dp: int, tp: int, master_port: int,
-                 master_addr: str = "127.0.0.1", threads: int = 1, **kwargs: Any):
+                 master_addr: str = "127.0.0.1", threads: int = 1, device: str = "cpu", **kwargs: Any):
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         _quiet_dtensor_logs()
         if dp * tp != world_size:
             raise LayoutError(f"HFTrainerWorker: dp*tp = {dp * tp} but world_size = {world_size}")
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device).index or 0)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+            dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo",
+                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                     world_size=world_size)
-        super().__init__(build_config(config), dp=dp, tp=tp, **kwargs)
+        super().__init__(build_config(config), dp=dp, tp=tp, device=device, **kwargs)
 
     def train_and_reference(self, prompt: Sequence[int], new_tokens: int = 4) -> dict:
         """One optimizer step, then the reference logits/tokens of the new weights (collective)."""
         loss = self.train_step()
         logits, tokens = self.reference(torch.tensor([list(prompt)]), new_tokens)
-        return {"loss": loss, "logits": logits, "tokens": tokens, "step": self.steps}
+        return {"loss": loss, "logits": logits.cpu(), "tokens": tokens.cpu(), "step": self.steps}
 
 
 class EngineWorker(EngineShard):
@@ -491,8 +502,13 @@ class EngineWorker(EngineShard):
     """
 
     def __init__(self, shard: int, worker: int, workers_per_shard: int, *, config: Any, qkv: str = "plain",
-                 tp_port: int | None = None, tp_addr: str = "127.0.0.1", threads: int = 1, **kwargs: Any):
+                 tp_port: int | None = None, tp_addr: str = "127.0.0.1", threads: int = 1, device: str = "cpu",
+                 **kwargs: Any):
         torch.set_num_threads(threads)
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device).index or 0)
+        kwargs["device"] = device
+        self.device = torch.device(device)  # _connect, below, runs before EngineShard.__init__ sets it
         self.shard = shard
         self._tp_group = None
         comm = None
@@ -508,7 +524,9 @@ class EngineWorker(EngineShard):
 
         if self._tp_group is not None:
             self._tp_group.abort()
-        self._tp_group = StatelessProcessGroup(addr, port, worker, workers, name=f"engine-tp/{self.shard}")
+        cuda = self.device.type == "cuda"
+        self._tp_group = StatelessProcessGroup(addr, port, worker, workers, name=f"engine-tp/{self.shard}",
+                                               backend="nccl" if cuda else "gloo", device=self.device if cuda else None)
         return StatelessTPComm(self._tp_group)
 
     def connect_tp(self, port: int, addr: str = "127.0.0.1") -> None:
@@ -524,7 +542,8 @@ class EngineWorker(EngineShard):
     def logits(self, prompt: Sequence[int], new_tokens: int = 4) -> dict:
         """Logits and greedy tokens on ``prompt`` (collective over the shard's workers)."""
         ids = torch.tensor([list(prompt)])
-        return {"logits": self.forward(ids), "tokens": self.generate(ids, new_tokens), "version": self.version}
+        return {"logits": self.forward(ids).cpu(), "tokens": self.generate(ids, new_tokens).cpu(),
+                "version": self.version}
 
 
 class _Unconnected:

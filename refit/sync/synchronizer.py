@@ -94,6 +94,10 @@ class _SynchronizerBase:
         transport: None (the communicator: gloo / NCCL) or ``"nixl"`` (reshard only):
             one-sided NIXL WRITEs, no collective during a transfer; every build relays the
             ranks' NIXL roster entries (``refit.nixl``). Needs ``pip install 'refit[nixl]'``.
+        backend: the communicator's backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (every
+            build asks each rank where its tensors live: NCCL when all are on GPUs, gloo
+            when all are on the host; a mix, or two ranks on one GPU under NCCL, is refused
+            naming the ranks).
     """
 
     mode: ClassVar[str] = "reshard"
@@ -111,6 +115,7 @@ class _SynchronizerBase:
         grace_s: float = GRACE_S,
         connect_timeout_s: float | None = None,
         transport: str | None = None,
+        backend: str = "auto",
     ):
         if not trainers:
             raise RefitError("a synchronizer needs at least one trainer rank")
@@ -126,7 +131,10 @@ class _SynchronizerBase:
             raise RefitError(f"transport must be None or 'nixl', got {transport!r}")
         if transport == "nixl" and self.mode != "reshard":
             raise RefitError("transport='nixl' moves the shard-to-shard plans; use ReshardWeightSynchronizer")
+        if backend not in ("auto", "gloo", "nccl"):
+            raise RefitError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         self.transport = transport
+        self.backend = backend
         self.refit_timeout_s = refit_timeout_s
         self.ping_timeout_s = ping_timeout_s
         self.bucket_bytes = bucket_bytes
@@ -315,12 +323,13 @@ class _SynchronizerBase:
         timeout = self._round_timeout_s()
         connect_s = self.connect_timeout_s
         root = members[0]
+        backend = self._backend_for(members, timeout)
         addr, port = self._round("rendezvous", {root: root.worker.call("refit_rendezvous")}, timeout)[root]
         calls = {}
         for m in members:
             size = None if m.shard is None else membership.workers_per_shard
             spec = ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
-                               mesh_offset=m.first_rank, mesh_size=size, label=m.label)
+                               mesh_offset=m.first_rank, mesh_size=size, label=m.label, backend=backend)
             calls[m] = m.worker.call("refit_connect", spec)
         rosters = self._round("connect", calls, timeout + connect_s, stragglers_s=connect_s)
         by_rank = {m.rank: rosters[m] for m in members}
@@ -342,6 +351,31 @@ class _SynchronizerBase:
                         timeout)
         self._built, self._members = membership, members
         self._initialized, self._broken = True, False
+
+    def _backend_for(self, members: Sequence[_Member], timeout: float) -> str:
+        """The backend of this build; with NIXL the communicator only carries control (gloo)."""
+        if self.transport == "nixl" or self.backend == "gloo":
+            return "gloo"
+        devices = self._round("devices", self._call_all(members, "refit_device"), timeout)
+        kinds: dict[str, list[str]] = {}
+        for m in members:
+            kinds.setdefault(devices[m]["type"], []).append(f"{m.label} (rank {m.rank})")
+        if self.backend == "auto" and set(kinds) == {"cpu"}:
+            return "gloo"
+        if set(kinds) != {"cuda"}:
+            where = "; ".join(f"on {k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
+            raise PlanError(f"backend={self.backend!r}: one communicator moves tensors of one kind of device, "
+                            f"every rank's on a GPU (NCCL) or every rank's on the host (gloo); {where}")
+        seen: dict[tuple[str, str], str] = {}
+        for m in members:
+            d = devices[m]
+            key = (d["host"], d["uuid"])
+            if key in seen:
+                raise PlanError(f"{seen[key]} and {m.label} (rank {m.rank}) are both on GPU {d['index']} "
+                                f"({d['uuid']}) of host {d['host']}: NCCL allows one rank per GPU in a "
+                                "communicator; give every trainer rank and engine worker its own GPU")
+            seen[key] = f"{m.label} (rank {m.rank})"
+        return "nccl"
 
     def _check_coverage(self, index, members: Sequence[_Member]) -> None:
         """Every engine rank must need something, or its shard would silently receive nothing."""
