@@ -17,11 +17,9 @@ import signal
 import time
 
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
-# Engine logits against the trainer's: fp32 on the host agrees to rounding. On GPUs the
-# engine's fused GEMMs (qkv_proj, gate_up_proj) pick other kernels than the trainer's
-# separate ones, so the sums are ordered differently; still far below a wrong weight,
-# which moves logits by whole units.
-TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
+# Engine logits against the trainer's, fp32: measured within 2e-7 on the host and on H200s
+# (the engine's fused GEMMs order sums differently); a wrong weight moves them by whole units.
+TOLERANCE = 1e-5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,10 +148,10 @@ def run_demo(args, progress=lambda text: None) -> dict:
         sync.shutdown()
     finally:
         fleet.shutdown()
-    ok = all(r["verified"] and r["max_abs_logit_diff"] <= TOLERANCE[args.device] and r["tokens_match"] for r in rows)
+    ok = all(r["verified"] and r["max_abs_logit_diff"] <= TOLERANCE and r["tokens_match"] for r in rows)
     readmitted = any(args.kill_shard in r["shards"] for r in rows if r["step"] > args.kill_step)
     return {
-        "model": args.model, "device": args.device, "logit_tolerance": TOLERANCE[args.device],
+        "model": args.model, "device": args.device, "logit_tolerance": TOLERANCE,
         "trainer": f"FSDP2 dp={args.trainer_dp} x TP={args.trainer_tp}",
         "engines": f"{args.engines} shards of TP{args.engine_tp} (fused qkv_proj / gate_up_proj)",
         "startup_s": startup_s, "total_s": time.monotonic() - t_start,
@@ -217,7 +215,7 @@ def run(args) -> int:
     except ImportError:
         print("refit demo needs transformers for its model: pip install 'refit[models]'")
         return 2
-    if not 0 <= args.kill_shard < args.engines:
+    if args.kill_step and not 0 <= args.kill_shard < args.engines:
         print(f"refit demo: --kill-shard {args.kill_shard} is not a shard (0..{args.engines - 1})")
         return 2
     if args.kill_step and args.engines < 2:

@@ -233,9 +233,11 @@ def _engine_placement(name: str):
 class SyntheticTrainer(TrainerEndpoint):
     """A trainer rank of a tensor-parallel synthetic model (float32, TP over the trainer ranks)."""
 
-    def __init__(self, rank: int, world_size: int, *, hidden: int = 64, layers: int = 2, threads: int = 1):
+    def __init__(self, rank: int, world_size: int, *, hidden: int = 64, layers: int = 2, threads: int = 1,
+                 device: str = "cpu"):
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
         self.shapes = synthetic_shapes(hidden, layers)
         self.mesh = list(range(world_size))
         self.params: dict[str, torch.Tensor] = {}
@@ -246,7 +248,7 @@ class SyntheticTrainer(TrainerEndpoint):
         for name, shape in self.shapes.items():
             full = synthetic_param(name, shape, step)
             region = shard_region(shape, [self.world_size], [self.rank], [_trainer_placement(name)])
-            local = _local_part(full, region).contiguous()
+            local = _local_part(full, region).contiguous().to(self.device)
             if name in self.params:
                 self.params[name].copy_(local)
             else:
@@ -267,7 +269,7 @@ class SyntheticEngine(EngineEndpoint):
 
     def __init__(self, shard: int, worker: int, workers_per_shard: int, *, hidden: int = 64, layers: int = 2,
                  dtype: str = "bfloat16", transfer_delay_s: float = 0.0, load_delay_s: float = 0.0,
-                 threads: int = 1):
+                 threads: int = 1, device: str = "cpu"):
         torch.set_num_threads(threads)
         self.shard, self.worker, self.workers_per_shard = shard, worker, workers_per_shard
         self.shapes = synthetic_shapes(hidden, layers)
@@ -279,7 +281,8 @@ class SyntheticEngine(EngineEndpoint):
         self.params = {}
         for name, shape in self.shapes.items():
             region = shard_region(shape, [workers_per_shard], [worker], [_engine_placement(name)])
-            self.params[name] = torch.zeros([sum(b - a for a, b in iv) for iv in region], dtype=self.dtype)
+            self.params[name] = torch.zeros([sum(b - a for a, b in iv) for iv in region], dtype=self.dtype,
+                                            device=device)
 
     def refit_destinations(self):
         return {n: (t, self.shapes[n], self.mesh, [_engine_placement(n)]) for n, t in self.params.items()}
@@ -300,7 +303,7 @@ class SyntheticEngine(EngineEndpoint):
             full = synthetic_param(name, shape, step).to(self.dtype)
             region = shard_region(shape, [self.workers_per_shard], [self.worker], [_engine_placement(name)])
             want = _local_part(full, region)
-            if not torch.equal(want, self.params[name]):
+            if not torch.equal(want, self.params[name].cpu()):
                 wrong.append(name)
         return wrong
 

@@ -115,3 +115,40 @@ def test_vllm_peer_protocol(fleet):
         assert fleet.run(comm_jobs.vllm_key, timeout_s=30)[0] == {"same": True}
     finally:
         fleet.rebuild(peer="nemo")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cls", ["ReshardWeightSynchronizer", "CollectiveWeightSynchronizer"])
+def test_synchronizer_picks_nccl_and_refits_exactly(cls):
+    """Trainer on GPU 0, one engine on GPU 1, driven in-process: the backend follows the tensors."""
+    import refit
+    from refit.fleet import SyntheticEngine, SyntheticTrainer
+
+    trainers = [SyntheticTrainer(0, 1, hidden=64, device="cuda:0")]
+    engines = [[SyntheticEngine(0, 0, 1, hidden=64, device="cuda:1")]]
+    sync = getattr(refit, cls)(trainers, engines, refit_timeout_s=60.0)
+    try:
+        for step in (1, 2, 3):
+            trainers[0].set_step(step)
+            result = sync.sync_weights()
+            assert result.verified and result.shards == [0]
+            assert engines[0][0].check_weights(step) == []
+        assert engines[0][0]._refit_state().group.backend == "nccl"
+    finally:
+        sync.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_on_one_gpu_are_refused_naming_them():
+    import refit
+    from refit.errors import PlanError
+    from refit.fleet import SyntheticEngine, SyntheticTrainer
+
+    trainers = [SyntheticTrainer(0, 1, hidden=64, device="cuda:0")]
+    engines = [[SyntheticEngine(0, 0, 1, hidden=64, device="cuda:1")], [SyntheticEngine(1, 0, 1, hidden=64, device="cuda:1")]]
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0)
+    try:
+        with pytest.raises(PlanError, match="shard 0 worker 0 .* and shard 1 worker 0 .* are both on GPU 1"):
+            sync.init_communicator()
+    finally:
+        sync.shutdown()

@@ -361,7 +361,7 @@ class EngineShard(EngineEndpoint):
             inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
             freqs = torch.arange(seq, dtype=torch.float32)[:, None] * inv
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cache[seq] = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+            self._rope_cache[seq] = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
         return self._rope_cache[seq]
 
     @staticmethod
