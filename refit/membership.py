@@ -10,6 +10,10 @@ are pinned down here, where every small topology can be enumerated in a unit tes
 Layout of the communicator: trainer ranks ``0 .. train_world_size - 1`` come first and
 are never excluded, so the broadcast root (rank 0) survives every rebuild. The workers
 of the surviving generation shards follow, shard by shard in shard-index order.
+
+Shards may differ in size (``shard_sizes``, e.g. two shards of TP2 and one of TP1, as a
+fleet that mixes engine layouts has); without it every shard has
+``total_gen_workers // dp_size`` workers, as in the seed.
 """
 
 from __future__ import annotations
@@ -39,23 +43,32 @@ class RefitMembership:
             the broadcast root at rank 0 across a rebuild.
         shard_prefixes: surviving shard index -> offset of its first worker within the
             generation block, ordered by shard index.
-        workers_per_shard: workers backing one shard (tp x pp).
+        workers_per_shard: workers backing one shard (tp x pp); the largest shard's when
+            ``shard_sizes`` is given.
+        shard_sizes: workers of every shard of the fleet (survivors or not), by shard index;
+            None when all shards have ``workers_per_shard``.
     """
 
     world_size: int
     train_world_size: int
     shard_prefixes: dict[int, int]
     workers_per_shard: int
+    shard_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Own a copy in shard order: the instance is frozen, so a caller mutating the
         # dict it passed in must not change a membership already recorded as "built".
         object.__setattr__(self, "shard_prefixes", dict(sorted(self.shard_prefixes.items())))
+        if self.shard_sizes is not None:
+            object.__setattr__(self, "shard_sizes", tuple(self.shard_sizes))
 
     def __hash__(self) -> int:
-        return hash(
-            (self.world_size, self.train_world_size, tuple(self.shard_prefixes.items()), self.workers_per_shard)
-        )
+        return hash((self.world_size, self.train_world_size, tuple(self.shard_prefixes.items()),
+                     self.workers_per_shard, self.shard_sizes))
+
+    def shard_size(self, shard: int) -> int:
+        """Workers of ``shard``."""
+        return self.workers_per_shard if self.shard_sizes is None else self.shard_sizes[shard]
 
     @property
     def surviving_shards(self) -> list[int]:
@@ -76,10 +89,20 @@ def _check_size(name: str, value: int, *, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _workers_per_shard(dp_size: int, total_gen_workers: int, train_world_size: int) -> int:
+def _workers_per_shard(dp_size: int, total_gen_workers: int, train_world_size: int,
+                       shard_sizes: Sequence[int] | None = None) -> int:
     _check_size("dp_size", dp_size)
     _check_size("total_gen_workers", total_gen_workers)
     _check_size("train_world_size", train_world_size)
+    if shard_sizes is not None:
+        if len(shard_sizes) != dp_size:
+            raise ValueError(f"shard_sizes has {len(shard_sizes)} entries {list(shard_sizes)}, but dp_size={dp_size}")
+        for i, n in enumerate(shard_sizes):
+            _check_size(f"shard_sizes[{i}]", n)
+        if sum(shard_sizes) != total_gen_workers:
+            raise ValueError(f"shard_sizes {list(shard_sizes)} add up to {sum(shard_sizes)} workers, "
+                             f"but total_gen_workers={total_gen_workers}")
+        return max(shard_sizes)
     if total_gen_workers % dp_size:
         raise ValueError(
             f"total_gen_workers={total_gen_workers} is not divisible by dp_size={dp_size}: "
@@ -100,6 +123,7 @@ def plan_refit_membership(
     dp_size: int,
     total_gen_workers: int,
     train_world_size: int,
+    shard_sizes: Sequence[int] | None = None,
 ) -> RefitMembership:
     """Lay out a refit communicator that contains only the surviving generation shards.
 
@@ -114,18 +138,27 @@ def plan_refit_membership(
         NoSurvivingShards: ``surviving_shards`` is empty.
         ValueError: the topology is inconsistent, or a shard is unknown or listed twice.
     """
-    per_shard = _workers_per_shard(dp_size, total_gen_workers, train_world_size)
+    per_shard = _workers_per_shard(dp_size, total_gen_workers, train_world_size, shard_sizes)
     _check_shards("surviving_shards", surviving_shards, dp_size)
     if len(set(surviving_shards)) != len(surviving_shards):
         raise ValueError(f"surviving_shards lists a shard more than once: {list(surviving_shards)}")
     if not surviving_shards:
         raise NoSurvivingShards(f"all {dp_size} generation shards are gone; there is nothing to refit")
-    prefixes = {shard: i * per_shard for i, shard in enumerate(sorted(surviving_shards))}
+    return _packed(train_world_size, sorted(surviving_shards), per_shard, shard_sizes)
+
+
+def _packed(train_world_size: int, shards: Sequence[int], per_shard: int,
+            shard_sizes: Sequence[int] | None) -> RefitMembership:
+    prefixes, offset = {}, 0
+    for shard in shards:
+        prefixes[shard] = offset
+        offset += per_shard if shard_sizes is None else shard_sizes[shard]
     return RefitMembership(
-        world_size=train_world_size + len(prefixes) * per_shard,
+        world_size=train_world_size + offset,
         train_world_size=train_world_size,
         shard_prefixes=prefixes,
         workers_per_shard=per_shard,
+        shard_sizes=None if shard_sizes is None else tuple(shard_sizes),
     )
 
 
@@ -135,6 +168,7 @@ def desired_membership(
     dp_size: int,
     total_gen_workers: int,
     train_world_size: int,
+    shard_sizes: Sequence[int] | None = None,
 ) -> RefitMembership:
     """The membership the refit communicator should have, given who is absent now.
 
@@ -148,7 +182,7 @@ def desired_membership(
         NoSurvivingShards: every shard is absent.
         ValueError: the topology is inconsistent or an absent shard is unknown.
     """
-    _workers_per_shard(dp_size, total_gen_workers, train_world_size)
+    _workers_per_shard(dp_size, total_gen_workers, train_world_size, shard_sizes)
     _check_shards("absent_shards", absent_shards, dp_size)
     absent = set(absent_shards)  # the same shard reported twice is still one absence
     return plan_refit_membership(
@@ -156,6 +190,7 @@ def desired_membership(
         dp_size=dp_size,
         total_gen_workers=total_gen_workers,
         train_world_size=train_world_size,
+        shard_sizes=shard_sizes,
     )
 
 
@@ -197,13 +232,7 @@ def should_rebuild(
     if built is None:
         # The full fleet: whoever should be there, plus whoever is missing.
         every = sorted(absent.union(desired.shard_prefixes))
-        per_shard = desired.workers_per_shard
-        built = RefitMembership(
-            world_size=desired.train_world_size + len(every) * per_shard,
-            train_world_size=desired.train_world_size,
-            shard_prefixes={s: i * per_shard for i, s in enumerate(every)},
-            workers_per_shard=per_shard,
-        )
+        built = _packed(desired.train_world_size, every, desired.workers_per_shard, desired.shard_sizes)
     if desired != built:
         return True
     return bool(force) and bool(absent)
@@ -214,4 +243,4 @@ def generation_ranks(membership: RefitMembership, shard: int) -> list[int]:
     if shard not in membership.shard_prefixes:
         raise ValueError(f"shard {shard} is not a member; surviving shards are {membership.surviving_shards}")
     first = membership.train_world_size + membership.shard_prefixes[shard]
-    return list(range(first, first + membership.workers_per_shard))
+    return list(range(first, first + membership.shard_size(shard)))

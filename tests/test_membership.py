@@ -183,3 +183,50 @@ def test_membership_value_semantics():
     assert len({m, same}) == 1
     with pytest.raises(AttributeError):
         m.world_size = 9  # type: ignore[misc]
+
+
+@st.composite
+def mixed_topologies(draw):
+    sizes = draw(st.lists(st.integers(1, 5), min_size=1, max_size=7))
+    train = draw(st.integers(1, 9))
+    absent = draw(st.sets(st.integers(0, len(sizes) - 1), max_size=len(sizes) - 1))
+    return sizes, train, absent
+
+
+@given(mixed_topologies(), st.randoms())
+def test_shards_of_different_sizes_tile_the_generation_block(topology, rnd):
+    """Two shards of TP2 and one of TP1, and every other mix: each survivor gets exactly its own
+    size in ranks, packed in shard order; a change of survivors, in either direction, rebuilds."""
+    sizes, train, absent = topology
+    kw = dict(dp_size=len(sizes), total_gen_workers=sum(sizes), train_world_size=train, shard_sizes=sizes)
+    survivors = [s for s in range(len(sizes)) if s not in absent]
+    shuffled = list(survivors)
+    rnd.shuffle(shuffled)
+    m = plan_refit_membership(surviving_shards=shuffled, **kw)
+    assert m == desired_membership(absent_shards=sorted(absent), **kw)
+    assert m.world_size == train + sum(sizes[s] for s in survivors)
+    ranks = [generation_ranks(m, s) for s in survivors]
+    assert [len(r) for r in ranks] == [sizes[s] for s in survivors]
+    assert [r for rs in ranks for r in rs] == list(range(train, m.world_size))
+    assert m.workers_per_shard == max(sizes)
+
+    whole = desired_membership(absent_shards=[], **kw)
+    assert not should_rebuild(desired=whole, built=None, absent_shards=[], force=False)
+    assert should_rebuild(desired=m, built=None, absent_shards=sorted(absent), force=False) == bool(absent)
+    assert should_rebuild(desired=whole, built=m, absent_shards=[], force=False) == bool(absent)  # re-admission
+    if absent:  # same survivors, different sizes: a different communicator
+        other = [n + 1 if i in survivors else n for i, n in enumerate(sizes)]
+        m2 = desired_membership(absent_shards=sorted(absent), dp_size=len(sizes), total_gen_workers=sum(other),
+                                train_world_size=train, shard_sizes=other)
+        assert m2 != m
+
+
+def test_shard_sizes_are_checked_naming_the_parameter():
+    kw = dict(absent_shards=[], dp_size=3, train_world_size=2)
+    assert desired_membership(total_gen_workers=5, shard_sizes=[2, 2, 1], **kw).shard_size(2) == 1
+    with pytest.raises(ValueError, match="shard_sizes has 2 entries"):
+        desired_membership(total_gen_workers=5, shard_sizes=[2, 3], **kw)
+    with pytest.raises(ValueError, match=r"add up to 5 workers, but total_gen_workers=6"):
+        desired_membership(total_gen_workers=6, shard_sizes=[2, 2, 1], **kw)
+    with pytest.raises(ValueError, match=r"shard_sizes\[2\] must be an int >= 1"):
+        desired_membership(total_gen_workers=4, shard_sizes=[2, 2, 0], **kw)

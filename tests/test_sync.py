@@ -31,8 +31,10 @@ HIDDEN = 48
 
 
 def make_fleet(t, s, w, **engine_kw):
+    """``w`` workers per shard, or a list of per-shard sizes."""
+    sizes = list(w) if isinstance(w, (list, tuple)) else [w] * s
     trainers = [SyntheticTrainer(r, t, hidden=HIDDEN) for r in range(t)]
-    engines = [[SyntheticEngine(i, j, w, hidden=HIDDEN, **engine_kw) for j in range(w)] for i in range(s)]
+    engines = [[SyntheticEngine(i, j, n, hidden=HIDDEN, **engine_kw) for j in range(n)] for i, n in enumerate(sizes)]
     return trainers, engines
 
 
@@ -331,3 +333,35 @@ def test_backend_follows_the_tensors_and_nccl_over_host_tensors_is_refused_befor
     assert "backend='nccl'" in msg and "on cpu: trainer rank 0 (rank 0)" in msg and "shard 1 worker 0 (rank 2)" in msg
     with pytest.raises(refit.errors.RefitError, match="backend must be"):
         refit.ReshardWeightSynchronizer(*make_fleet(1, 1, 1), backend="mpi")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("cls", SYNCS, ids=["reshard", "collective"])
+@pytest.mark.parametrize("lost", [1, 2], ids=["lose-tp2", "lose-tp1"])
+def test_shards_of_different_sizes_refit_lose_one_and_readmit_it(synced, cls, lost):
+    """Two shards of TP2 and one of TP1: each gets its own layout; losing either kind of
+    shard repacks the survivors by their own sizes, and the restarted shard comes back."""
+    sizes = [2, 2, 1]
+    sync, trainers, engines = synced(cls, 2, 3, sizes)
+    set_step(trainers, 1)
+    res = sync.sync_weights()
+    assert res.verified and res.shards == [0, 1, 2] and sync.membership.world_size == 2 + 5
+    assert wrong_weights(engines, 1) == {}
+
+    sync._engines[lost][0].kill()
+    set_step(trainers, 2)
+    res = sync.sync_weights()
+    survivors = [s for s in range(3) if s != lost]
+    assert res.verified and res.rebuilt and res.shards == survivors and res.absent_shards == [lost]
+    assert sync.membership.world_size == 2 + sum(sizes[s] for s in survivors)
+    assert wrong_weights(engines, 2, shards=survivors) == {}
+
+    with pytest.raises(refit.errors.RefitError, match=f"shard {lost} needs {sizes[lost]} worker"):
+        sync.replace_shard(lost, [SyntheticEngine(lost, w, 3, hidden=HIDDEN) for w in range(3)])
+    fresh = [SyntheticEngine(lost, w, sizes[lost], hidden=HIDDEN) for w in range(sizes[lost])]
+    sync.replace_shard(lost, fresh)
+    engines[lost] = fresh
+    set_step(trainers, 3)
+    res = sync.sync_weights()
+    assert res.verified and res.rebuilt and res.shards == [0, 1, 2]
+    assert wrong_weights(engines, 3) == {}

@@ -77,7 +77,7 @@ class _SynchronizerBase:
         trainers: one handle per trainer rank (Ray actor handles, worker handles, or
             endpoint objects), in trainer-rank order.
         engines: one list per generation shard of its workers' handles (tp x pp each),
-            in worker order; every shard has the same number of workers.
+            in worker order. Shards may differ in size (e.g. two of TP2 and one of TP1).
         refit_timeout_s: deadline of one transfer on every rank. Each worker arms a
             watchdog that aborts its communicator when it passes, which is what lets the
             controller rebuild over the survivors instead of hanging. It also bounds the
@@ -121,10 +121,6 @@ class _SynchronizerBase:
             raise RefitError("a synchronizer needs at least one trainer rank")
         if not engines or any(len(s) == 0 for s in engines):
             raise RefitError("a synchronizer needs at least one generation shard, each with at least one worker")
-        sizes = {len(s) for s in engines}
-        if len(sizes) != 1:
-            raise RefitError(f"every generation shard must have the same number of workers, got "
-                             f"{[len(s) for s in engines]}")
         if refit_timeout_s is not None and refit_timeout_s <= 0:
             raise RefitError(f"refit_timeout_s must be positive or None, got {refit_timeout_s!r}")
         if transport not in (None, "nixl"):
@@ -147,7 +143,8 @@ class _SynchronizerBase:
                          for s, shard in enumerate(engines)]
         self.train_world_size = len(self._trainers)
         self.dp_size = len(self._engines)
-        self.workers_per_shard = sizes.pop()
+        self.shard_sizes = [len(s) for s in self._engines]
+        self.workers_per_shard = max(self.shard_sizes)  # the largest shard's, when sizes differ
         self._built: RefitMembership | None = None
         self._members: list[_Member] = []
         self._initialized = False
@@ -170,9 +167,10 @@ class _SynchronizerBase:
         return self._built
 
     def _desired(self, absent: Sequence[int]) -> RefitMembership:
+        mixed = len(set(self.shard_sizes)) > 1
         return desired_membership(absent_shards=sorted(absent), dp_size=self.dp_size,
-                                  total_gen_workers=self.dp_size * self.workers_per_shard,
-                                  train_world_size=self.train_world_size)
+                                  total_gen_workers=sum(self.shard_sizes), train_world_size=self.train_world_size,
+                                  shard_sizes=self.shard_sizes if mixed else None)
 
     def _members_of(self, membership: RefitMembership) -> list[_Member]:
         out = [_Member(r, w, f"trainer rank {r}") for r, w in enumerate(self._trainers)]
@@ -327,7 +325,7 @@ class _SynchronizerBase:
         addr, port = self._round("rendezvous", {root: root.worker.call("refit_rendezvous")}, timeout)[root]
         calls = {}
         for m in members:
-            size = None if m.shard is None else membership.workers_per_shard
+            size = None if m.shard is None else membership.shard_size(m.shard)
             spec = ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
                                mesh_offset=m.first_rank, mesh_size=size, label=m.label, backend=backend)
             calls[m] = m.worker.call("refit_connect", spec)
@@ -425,8 +423,8 @@ class _SynchronizerBase:
         self._check_open()
         if not 0 <= shard < self.dp_size:
             raise RefitError(f"replace_shard: unknown shard {shard}; shards are 0..{self.dp_size - 1}")
-        if len(workers) != self.workers_per_shard:
-            raise RefitError(f"replace_shard: shard {shard} needs {self.workers_per_shard} worker(s), "
+        if len(workers) != self.shard_sizes[shard]:
+            raise RefitError(f"replace_shard: shard {shard} needs {self.shard_sizes[shard]} worker(s), "
                              f"got {len(workers)}")
         old = self._engines[shard]
         self._engines[shard] = [as_worker(h, f"shard {shard} worker {w}") for w, h in enumerate(workers)]
