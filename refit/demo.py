@@ -29,9 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama", help="tiny model shape [llama]")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit [4]")
     p.add_argument("--trainer-dp", type=int, default=2, help="trainer FSDP2 size [2]")
-    p.add_argument("--trainer-tp", type=int, default=1, help="trainer TP size [1]")
-    p.add_argument("--engines", type=int, default=2, help="generation shards [2]")
-    p.add_argument("--engine-tp", type=int, default=2, help="TP size of each generation shard [2]")
+    p.add_argument("--trainer-tp", type=int, default=2,
+                   help="trainer TP size; with FSDP2 over dp, TP-sharded params are _StridedShard DTensors [2]")
+    p.add_argument("--engine-tp", default="2,2,1",
+                   help="TP size of every generation shard, one per shard (2,2,1: two shards of TP2 and one "
+                        "of TP1) or one for all [2,2,1]")
+    p.add_argument("--engines", type=int, default=None,
+                   help="generation shards (default: one per --engine-tp entry, or 2 when it gives one size)")
     p.add_argument("--kill-step", type=int, default=2, help="step whose refit loses a worker (0: none) [2]")
     p.add_argument("--kill-shard", type=int, default=1, help="shard that loses a worker [1]")
     p.add_argument("--timeout", type=float, default=15.0, help="refit_timeout_s, the per-refit deadline [15]")
@@ -70,12 +74,34 @@ def _check_engines(fleet, shards, reference, timeout_s):
     return worst, tokens_ok
 
 
+def engine_sizes(args) -> list[int]:
+    """Per-shard TP sizes from ``--engine-tp`` and ``--engines``; ValueError names the flag."""
+    try:
+        sizes = [int(x) for x in str(args.engine_tp).split(",")]
+    except ValueError:
+        raise ValueError(f"--engine-tp {args.engine_tp!r}: give sizes like 2 or 2,2,1") from None
+    if args.engines is not None and args.engines < 1:
+        raise ValueError(f"--engines {args.engines}: give 1 or more")
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"--engine-tp {args.engine_tp!r}: every size must be >= 1")
+    if len(sizes) == 1:
+        return sizes * (2 if args.engines is None else args.engines)
+    if args.engines is not None and args.engines != len(sizes):
+        raise ValueError(f"--engines {args.engines} but --engine-tp {args.engine_tp} gives {len(sizes)} shards")
+    return sizes
+
+
+def _describe(sizes: list[int]) -> str:
+    kinds = ", ".join(f"TP{n}" for n in sizes)
+    return f"{len(sizes)} shards: {kinds} (fused qkv_proj / gate_up_proj)"
+
+
 def _connect_tp(fleet, shard, timeout_s):
     import ray
 
     from refit.comm import free_port
 
-    if fleet.workers_per_shard > 1:
+    if fleet.shard_sizes[shard] > 1:
         port = free_port()
         ray.get([w.connect_tp.remote(port) for w in fleet.engines[shard]], timeout=timeout_s)
 
@@ -91,10 +117,11 @@ def run_demo(args, progress=lambda text: None) -> dict:
     config = (tiny_llama_config() if args.model == "llama" else tiny_qwen3_moe_config()).to_dict()
     t_start = time.monotonic()
     progress("starting the fleet (trainer and engine actors)")
+    sizes = engine_sizes(args)
     fleet = RayFleet(
         HFTrainerWorker, EngineWorker,
-        train_world_size=args.trainer_dp * args.trainer_tp, num_shards=args.engines,
-        workers_per_shard=args.engine_tp,
+        train_world_size=args.trainer_dp * args.trainer_tp, num_shards=len(sizes),
+        workers_per_shard=sizes,
         trainer_kwargs={"config": config, "dp": args.trainer_dp, "tp": args.trainer_tp, "master_port": free_port(),
                         "device": args.device},
         engine_kwargs={"config": config, "device": args.device},
@@ -103,7 +130,7 @@ def run_demo(args, progress=lambda text: None) -> dict:
     killer = _Killer(fleet, args.kill_shard)
     rows, events = [], []
     try:
-        for s in range(args.engines):
+        for s in range(len(sizes)):
             _connect_tp(fleet, s, 60)
         phase_label = {"value": ""}
 
@@ -117,6 +144,8 @@ def run_demo(args, progress=lambda text: None) -> dict:
         progress("building communicators and the plan")
         sync.init_communicator()
         startup_s = time.monotonic() - t_start
+        placements = ray.get(fleet.trainers[0].placements.remote(), timeout=60)
+        strided = sum("_StridedShard" in p for p in placements.values())
         for step in range(1, args.steps + 1):
             progress(f"step {step}: optimizer step")
             outs = ray.get([t.train_and_reference.remote(PROMPT) for t in fleet.trainers], timeout=120)
@@ -153,7 +182,8 @@ def run_demo(args, progress=lambda text: None) -> dict:
     return {
         "model": args.model, "device": args.device, "logit_tolerance": TOLERANCE,
         "trainer": f"FSDP2 dp={args.trainer_dp} x TP={args.trainer_tp}",
-        "engines": f"{args.engines} shards of TP{args.engine_tp} (fused qkv_proj / gate_up_proj)",
+        "engines": _describe(sizes),
+        "trainer_params": len(placements), "trainer_strided_shard_params": strided,
         "startup_s": startup_s, "total_s": time.monotonic() - t_start,
         "steps": rows, "all_verified_and_logits_match": ok,
         "killed_shard_readmitted": readmitted or args.kill_step in (0, args.steps),
@@ -172,7 +202,9 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"refit demo — {result['model']}: trainer {result['trainer']} -> {result['engines']}")
+    strided = f", {result['trainer_strided_shard_params']} of {result['trainer_params']} params _StridedShard"
+    table = Table(title=f"refit demo — {result['model']} on {result['device']}: trainer {result['trainer']}"
+                        f"{strided if result['trainer_strided_shard_params'] else ''} -> {result['engines']}")
     for col in ("step", "loss", "refit", "bytes", "GB/s", "verified", "max |Δlogits|", "shards", "event"):
         table.add_column(col, justify="right" if col not in ("event", "shards") else "left", no_wrap=True)
     notes = []
@@ -215,11 +247,16 @@ def run(args) -> int:
     except ImportError:
         print("refit demo needs transformers for its model: pip install 'refit[models]'")
         return 2
-    if args.kill_step and not 0 <= args.kill_shard < args.engines:
-        print(f"refit demo: --kill-shard {args.kill_shard} is not a shard (0..{args.engines - 1})")
+    try:
+        sizes = engine_sizes(args)
+    except ValueError as e:
+        print(f"refit demo: {e}")
         return 2
-    if args.kill_step and args.engines < 2:
-        print("refit demo: losing a shard needs --engines 2 or more, so that a fleet survives")
+    if args.kill_step and len(sizes) < 2:
+        print("refit demo: losing a shard needs --engines 2 or more, so that a fleet survives (or --kill-step 0)")
+        return 2
+    if args.kill_step and not 0 <= args.kill_shard < len(sizes):
+        print(f"refit demo: --kill-shard {args.kill_shard} is not a shard (0..{len(sizes) - 1})")
         return 2
     if args.address and args.address != "auto" and not _reachable(args.address):
         print(f"refit demo: no Ray cluster answers at {args.address} (nothing listens on that host:port); "
@@ -241,15 +278,15 @@ def run(args) -> int:
     from refit.errors import RefitError
 
     if args.device == "cuda":
-        need = args.trainer_dp * args.trainer_tp + args.engines * args.engine_tp
+        need = args.trainer_dp * args.trainer_tp + sum(sizes)
         have = int(ray.cluster_resources().get("GPU", 0))
         if have < need:
             if started:
                 ray.shutdown()
             print(f"refit demo --device cuda: needs {need} GPUs (one per rank: trainer {args.trainer_dp}x"
-                  f"{args.trainer_tp} + {args.engines} engine(s) of TP{args.engine_tp}; NCCL allows one rank per GPU "
-                  f"in a communicator), the Ray cluster has {have}. On 2 GPUs: --trainer-dp 1 --engines 1 "
-                  "--engine-tp 1 --kill-step 0 (losing a shard needs a second one to survive).")
+                  f"{args.trainer_tp} + engines {'+'.join(map(str, sizes))}; NCCL allows one rank per GPU "
+                  f"in a communicator), the Ray cluster has {have}. On 2 GPUs: --trainer-dp 1 --engine-tp 1 "
+                  "--engines 1 --kill-step 0 (losing a shard needs a second one to survive).")
             return 2
     try:
         if args.json:

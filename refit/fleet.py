@@ -3,7 +3,7 @@
 Ray is the orchestrator the RL ecosystem runs on, so it is the supported way to place
 trainer and engine actors; it is imported here only, inside functions, so that
 ``import refit`` works without Ray. One generation shard is its ``workers_per_shard``
-(tp x pp) engine actors. Any actor class that mixes in ``refit.workers.TrainerEndpoint``
+(tp x pp) engine actors; shards may differ in size. Any actor class that mixes in ``refit.workers.TrainerEndpoint``
 or ``EngineEndpoint`` works; ``SyntheticTrainer`` / ``SyntheticEngine`` are a small
 synthetic model for demos and tests, with weights that change every step so that a
 stale copy can never pass for a fresh one.
@@ -105,13 +105,14 @@ class RayFleet:
     """Trainer actors and generation shards of engine actors, started on the current Ray cluster.
 
     ``trainer_cls`` is built with ``rank=, world_size=`` and ``engine_cls`` with
-    ``shard=, worker=, workers_per_shard=``, plus the given kwargs. Actors are not
+    ``shard=, worker=, workers_per_shard=``, plus the given kwargs. ``workers_per_shard``
+    is one size for every shard or a list of one per shard (e.g. ``[2, 2, 1]``). Actors are not
     restarted by Ray (``max_restarts=0``): a lost shard is the synchronizer's to handle,
     and ``restart_shard`` starts a fresh one that the next sync re-admits.
     """
 
     def __init__(self, trainer_cls: type, engine_cls: type, *, train_world_size: int, num_shards: int,
-                 workers_per_shard: int, trainer_kwargs: dict | None = None, engine_kwargs: dict | None = None,
+                 workers_per_shard: int | Sequence[int], trainer_kwargs: dict | None = None, engine_kwargs: dict | None = None,
                  actor_options: dict | None = None, start_timeout_s: float = 120.0):
         import ray
 
@@ -123,7 +124,11 @@ class RayFleet:
         self._engine_cls = ray.remote(engine_cls).options(**opts)
         self.train_world_size = train_world_size
         self.num_shards = num_shards
-        self.workers_per_shard = workers_per_shard
+        sizes = [workers_per_shard] * num_shards if isinstance(workers_per_shard, int) else list(workers_per_shard)
+        if len(sizes) != num_shards or any(not isinstance(n, int) or n < 1 for n in sizes):
+            raise RefitError(f"RayFleet: workers_per_shard must be an int >= 1 or one per shard ({num_shards}), "
+                             f"got {workers_per_shard!r}")
+        self.shard_sizes = sizes
         self.trainer_kwargs = dict(trainer_kwargs or {})
         self.engine_kwargs = dict(engine_kwargs or {})
         self.start_timeout_s = start_timeout_s
@@ -134,8 +139,9 @@ class RayFleet:
         self._wait_ready([*self.trainers, *(a for s in self.engines for a in s)])
 
     def _start_shard(self, shard: int) -> list:
-        return [self._engine_cls.remote(shard=shard, worker=w, workers_per_shard=self.workers_per_shard,
-                                        **self.engine_kwargs) for w in range(self.workers_per_shard)]
+        n = self.shard_sizes[shard]
+        return [self._engine_cls.remote(shard=shard, worker=w, workers_per_shard=n, **self.engine_kwargs)
+                for w in range(n)]
 
     def _wait_ready(self, actors: Sequence[Any]) -> None:
         import ray
@@ -163,7 +169,7 @@ class RayFleet:
         """
         import ray
 
-        workers = range(self.workers_per_shard) if workers is None else workers
+        workers = range(self.shard_sizes[shard]) if workers is None else workers
         actors = list(self.engines[shard])
         for w in workers:
             try:
@@ -171,7 +177,7 @@ class RayFleet:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             self._pids.pop(actors[w], None)
-            actors[w] = self._engine_cls.remote(shard=shard, worker=w, workers_per_shard=self.workers_per_shard,
+            actors[w] = self._engine_cls.remote(shard=shard, worker=w, workers_per_shard=self.shard_sizes[shard],
                                                 **self.engine_kwargs)
         self.engines[shard] = actors
         self._wait_ready([actors[w] for w in workers])

@@ -20,9 +20,11 @@ def test_refit_demo_json_reports_recovery_and_readmission():
     steps = result["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["verified"] and s["tokens_match"] and s["max_abs_logit_diff"] <= 1e-5 for s in steps)
-    assert steps[0]["shards"] == [0, 1]
-    assert steps[1]["shards"] == [0] and steps[1]["recovery_s"] is not None  # lost mid-refit, recovered
-    assert steps[2]["shards"] == [0, 1]  # restarted and re-admitted
+    assert result["engines"].startswith("3 shards: TP2, TP2, TP1")  # the default: engine layouts of two sizes
+    assert result["trainer_strided_shard_params"] > 0  # FSDP2 x TP: where _StridedShard appears
+    assert steps[0]["shards"] == [0, 1, 2]
+    assert steps[1]["shards"] == [0, 2] and steps[1]["recovery_s"] is not None  # lost mid-refit, recovered
+    assert steps[2]["shards"] == [0, 1, 2]  # restarted and re-admitted
     assert result["all_verified_and_logits_match"] and result["killed_shard_readmitted"]
 
 
@@ -31,4 +33,17 @@ def test_refit_demo_says_clearly_when_ray_is_unreachable():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "no Ray cluster answers at 127.0.0.1:1" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--engine-tp", "2,x"], "--engine-tp '2,x': give sizes like 2 or 2,2,1"),
+    (["--engine-tp", "2,1", "--engines", "3"], "--engines 3 but --engine-tp 2,1 gives 2 shards"),
+    (["--engine-tp", "2", "--engines", "1"], "losing a shard needs --engines 2 or more"),
+    (["--kill-shard", "5"], "--kill-shard 5 is not a shard (0..2)"),
+])
+def test_refit_demo_refuses_bad_flags_before_starting_anything(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and message in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
