@@ -17,14 +17,14 @@ fi
 export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 "$PY" -c 'import ray, torch, transformers; print("ray", ray.__version__, "torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())' 2>&1 | tee "$OUT/env.log"
 
-timeout -s INT -k 10 240 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "synchronizer or refused" 2>&1 | tail -15 | tee "$OUT/pytest.log"
+timeout -s INT -k 10 300 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest.log"
 rc_tests=$?
 
-# the default demo needs 6 GPUs: it must say so, not fail inside NCCL
+# the default demo needs 9 GPUs: it must say so, not fail inside NCCL
 timeout 120 "$PY" -m refit.cli demo --device cuda 2>&1 | tail -3 | tee "$OUT/demo_default.log"
 rc=0
 for model in llama qwen3-moe; do
-  timeout -s INT -k 10 240 "$PY" -m refit.cli demo --device cuda --model "$model" --trainer-dp 1 --engines 1 \
+  timeout -s INT -k 10 240 "$PY" -m refit.cli demo --device cuda --model "$model" --trainer-dp 1 --trainer-tp 1 --engines 1 \
     --engine-tp 1 --kill-step 0 --steps 4 --json > "$OUT/demo_$model.json" 2> "$OUT/demo_$model.err"
   r=$?; rc=$(( rc || r ))
   echo "demo $model rc=$r"; tail -5 "$OUT/demo_$model.err"
