@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-tp", default="2,2,1",
                    help="TP size of every generation shard, one per shard (2,2,1: two shards of TP2 and one "
                         "of TP1) or one for all [2,2,1]")
+    p.add_argument("--engine-ep", action="store_true",
+                   help="qwen3-moe: each engine shard splits its routed experts whole across its workers "
+                        "(expert parallelism, as vLLM's enable_expert_parallel) instead of cutting them by TP")
     p.add_argument("--engines", type=int, default=None,
                    help="generation shards (default: one per --engine-tp entry, or 2 when it gives one size)")
     p.add_argument("--kill-step", type=int, default=2, help="step whose refit loses a worker (0: none) [2]")
@@ -91,9 +94,10 @@ def engine_sizes(args) -> list[int]:
     return sizes
 
 
-def _describe(sizes: list[int]) -> str:
+def _describe(sizes: list[int], expert_parallel: bool = False) -> str:
     kinds = ", ".join(f"TP{n}" for n in sizes)
-    return f"{len(sizes)} shards: {kinds} (fused qkv_proj / gate_up_proj)"
+    experts = ", experts under EP" if expert_parallel else ""
+    return f"{len(sizes)} shards: {kinds} (fused qkv_proj / gate_up_proj{experts})"
 
 
 def _connect_tp(fleet, shard, timeout_s):
@@ -124,7 +128,7 @@ def run_demo(args, progress=lambda text: None) -> dict:
         workers_per_shard=sizes,
         trainer_kwargs={"config": config, "dp": args.trainer_dp, "tp": args.trainer_tp, "master_port": free_port(),
                         "device": args.device},
-        engine_kwargs={"config": config, "device": args.device},
+        engine_kwargs={"config": config, "device": args.device, "expert_parallel": args.engine_ep},
         actor_options={"num_gpus": 1} if args.device == "cuda" else None,
     )
     killer = _Killer(fleet, args.kill_shard)
@@ -182,7 +186,7 @@ def run_demo(args, progress=lambda text: None) -> dict:
     return {
         "model": args.model, "device": args.device, "logit_tolerance": TOLERANCE,
         "trainer": f"FSDP2 dp={args.trainer_dp} x TP={args.trainer_tp}",
-        "engines": _describe(sizes),
+        "engines": _describe(sizes, args.engine_ep),
         "trainer_params": len(placements), "trainer_strided_shard_params": strided,
         "startup_s": startup_s, "total_s": time.monotonic() - t_start,
         "steps": rows, "all_verified_and_logits_match": ok,
@@ -251,6 +255,9 @@ def run(args) -> int:
         sizes = engine_sizes(args)
     except ValueError as e:
         print(f"refit demo: {e}")
+        return 2
+    if args.engine_ep and args.model != "qwen3-moe":
+        print(f"refit demo: --engine-ep splits routed experts; --model {args.model} has none (use --model qwen3-moe)")
         return 2
     if args.kill_step and len(sizes) < 2:
         print("refit demo: losing a shard needs --engines 2 or more, so that a fleet survives (or --kill-step 0)")

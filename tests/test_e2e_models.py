@@ -57,12 +57,14 @@ def engine_reports(results, topo):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_moe-engine-ep"])
 def test_hf_trainer_tp_fsdp2_refit_matches_on_every_engine(fleet, family):
+    """``-engine-ep``: the TP2 engine shard holds its experts under expert parallelism (two whole
+    experts per worker) while the trainer cuts every expert by TP: a reshard between the two."""
     cfg = tiny_llama_config() if family == "llama" else tiny_qwen3_moe_config()
     topo = Topology.make(engine_tps=(2, 1), dp=2, tp=2)
     results = fleet.run(refit_check_worker, topo, cfg.to_dict(), steps=STEPS, prompt=PROMPT, new_tokens=NEW_TOKENS,
-                        timeout_s=240)
+                        engine_ep=family.endswith("engine-ep"), timeout_s=240)
     trainer = {r["step"]: r for r in results[0]}
     placements = trainer[0]["placements"]
     # real DTensors: FSDP2 over TP gives _StridedShard on column-parallel weights

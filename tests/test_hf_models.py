@@ -35,10 +35,10 @@ from refit.models.hf import (  # noqa: E402
 PROMPT = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 23]])
 
 
-def run_shard(econf, tp, state, *, qkv="plain", new_tokens=3):
+def run_shard(econf, tp, state, *, qkv="plain", new_tokens=3, **engine_kw):
     """Build a TP shard on threads, load ``state`` through its views, run forward + greedy on every rank."""
     comms = ThreadTPComm.group(tp)
-    engines = [EngineShard(econf, tp_size=tp, tp_rank=r, comm=comms[r], qkv=qkv) for r in range(tp)]
+    engines = [EngineShard(econf, tp_size=tp, tp_rank=r, comm=comms[r], qkv=qkv, **engine_kw) for r in range(tp)]
     for e in engines:
         e.load_canonical(state)
     out = [None] * tp
@@ -88,6 +88,34 @@ def test_engine_forward_matches_transformers(model_case, tp, qkv):
     for logits, tokens in out:
         assert (logits - ref_logits).abs().max().item() <= 1e-5
         assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_engine_expert_parallel_forward_matches_transformers(model_case, tp):
+    """Experts split whole across the shard's workers: each expert has exactly one owner, at
+    full width, and the shard's logits and tokens are transformers' own."""
+    cfg, _, state, ref_logits, ref_tokens = model_case
+    econf = EngineConfig.from_hf(cfg)
+    if not econf.spec.num_experts:
+        with pytest.raises(LayoutError, match="expert_parallel needs routed experts"):
+            EngineShard(econf, tp_size=1, tp_rank=0, expert_parallel=True)
+        return
+    engines, out = run_shard(econf, tp, state, expert_parallel=True)
+    for logits, tokens in out:
+        assert (logits - ref_logits).abs().max().item() <= 1e-5
+        assert torch.equal(tokens, ref_tokens)
+    owners: dict[str, list[int]] = {}
+    for eng in engines:
+        for name, (ref, mesh, placements) in eng.destinations().items():
+            if ".experts." in name:
+                assert np.asarray(mesh).tolist() == [eng.rank] and list(placements) == [Replicate()]
+                assert tuple(ref._local_tensor.shape) == tuple(ref.shape)  # whole, not cut by TP
+                owners.setdefault(name, []).append(eng.rank)
+    experts = econf.spec.num_experts
+    moe_layers = sum(econf.spec.is_moe_layer(i) for i in range(econf.spec.num_layers))
+    assert len(owners) == 3 * experts * moe_layers and all(len(o) == 1 for o in owners.values())
+    with pytest.raises(LayoutError, match=f"expert parallelism over 3 workers does not divide the {experts} experts"):
+        EngineShard(econf, tp_size=3, tp_rank=0, comm=object(), expert_parallel=True)
 
 
 def test_canonical_names_are_the_spec_names_and_round_trip(model_case):

@@ -24,7 +24,10 @@ RoPE (and Qwen3's q/k norms), row-parallel o_proj + all-reduce, fused SwiGLU MLP
 routed experts + all-reduce, vocab-parallel head + all-gather. It gives full logits on every
 rank, and ``generate`` greedy tokens. TP groups: ``TorchTPComm`` (a ``torch.distributed``
 group), ``StatelessTPComm`` (a ``refit.StatelessProcessGroup``), ``ThreadTPComm`` (threads of
-one process). Routed experts are cut by TP inside the shard (no engine-side expert parallelism).
+one process). Routed experts are cut by TP inside the shard, or, with ``expert_parallel=True``
+(vLLM's ``enable_expert_parallel``), split whole across the shard's workers: worker ``t`` holds
+experts ``t*E/tp .. (t+1)*E/tp - 1`` at full width (``w13`` ``[E/tp, 2*Ie, hidden]``), each
+exposed on a one-rank mesh, so a refit sends every expert to its one owner only.
 """
 
 from __future__ import annotations
@@ -215,7 +218,7 @@ class EngineShard(EngineEndpoint):
 
     def __init__(self, config: EngineConfig, *, tp_size: int = 1, tp_rank: int = 0, comm: TPComm | None = None,
                  qkv: str = "plain", dtype: torch.dtype = torch.float32, device: Any = "cpu",
-                 fill: float = float("nan")):
+                 fill: float = float("nan"), expert_parallel: bool = False):
         s = config.spec
         if s.mla or s.attention_bias or s.num_shared_experts or s.shared_expert_intermediate_size:
             raise LayoutError(f"{s.name}: the reference engine runs Llama/Qwen3(-MoE) shapes only")
@@ -227,9 +230,16 @@ class EngineShard(EngineEndpoint):
             raise LayoutError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
         if tp_size > 1 and comm is None:
             raise LayoutError("an engine shard with tp_size > 1 needs its TP group (comm)")
+        if expert_parallel and not s.num_experts:
+            raise LayoutError(f"{s.name}: expert_parallel needs routed experts; the model has none")
+        if expert_parallel and s.num_experts % tp_size:
+            raise LayoutError(f"engine expert parallelism over {tp_size} workers does not divide the "
+                              f"{s.num_experts} experts of {s.name}")
         check_qkv_tp(s.num_heads, s.num_kv_heads, tp_size, who=f"engine tp={tp_size}")
-        for what, n in (("vocabulary", s.vocab_size), ("intermediate size", s.intermediate_size),
-                        ("expert intermediate size", s.moe_intermediate_size)):
+        checks = [("vocabulary", s.vocab_size), ("intermediate size", s.intermediate_size)]
+        if not expert_parallel:
+            checks.append(("expert intermediate size", s.moe_intermediate_size))
+        for what, n in checks:
             if n % tp_size:
                 raise LayoutError(f"engine tp={tp_size} does not divide the {what} {n} of {s.name}")
         self.config, self.spec = config, s
@@ -240,7 +250,11 @@ class EngineShard(EngineEndpoint):
         self.heads = s.num_heads // tp_size
         self.kv_heads = max(s.num_kv_heads // tp_size, 1)
         self.inter = s.intermediate_size // tp_size
-        self.e_inter = s.moe_intermediate_size // tp_size
+        self.expert_parallel = expert_parallel
+        self.e_inter = s.moe_intermediate_size if expert_parallel else s.moe_intermediate_size // tp_size
+        per_rank = s.num_experts // tp_size if expert_parallel else s.num_experts
+        first = tp_rank * per_rank if expert_parallel else 0
+        self.experts = range(first, first + per_rank)  # the routed experts this worker computes
         self.vocab = s.vocab_size // tp_size
         w: dict[str, torch.Tensor] = {}
 
@@ -259,8 +273,8 @@ class EngineShard(EngineEndpoint):
             w[f"{p}.post_attention_layernorm.weight"] = new(h)
             if s.is_moe_layer(layer):
                 w[f"{p}.mlp.gate.weight"] = new(s.num_experts, h)
-                w[f"{p}.mlp.experts.w13_weight"] = new(s.num_experts, 2 * self.e_inter, h)
-                w[f"{p}.mlp.experts.w2_weight"] = new(s.num_experts, h, self.e_inter)
+                w[f"{p}.mlp.experts.w13_weight"] = new(len(self.experts), 2 * self.e_inter, h)
+                w[f"{p}.mlp.experts.w2_weight"] = new(len(self.experts), h, self.e_inter)
             else:
                 w[f"{p}.mlp.gate_up_proj.weight"] = new(2 * self.inter, h)
                 w[f"{p}.mlp.down_proj.weight"] = new(h, self.inter)
@@ -310,11 +324,13 @@ class EngineShard(EngineEndpoint):
                 put(f"{p}.mlp.gate.weight", w[f"{p}.mlp.gate.weight"], (s.num_experts, h), mesh, rep)
                 w13, w2 = w[f"{p}.mlp.experts.w13_weight"], w[f"{p}.mlp.experts.w2_weight"]
                 ie, il = s.moe_intermediate_size, self.e_inter
-                for e in range(s.num_experts):
+                # under EP an expert lives whole on its owner: a one-rank mesh, nothing to cut
+                m, c, r = (np.array([self.rank]), rep, rep) if self.expert_parallel else (mesh, col, row)
+                for i, e in enumerate(self.experts):
                     x = f"{p}.mlp.experts.{e}"
-                    put(f"{x}.gate_proj.weight", w13[e, :il], (ie, h), mesh, col)
-                    put(f"{x}.up_proj.weight", w13[e, il:], (ie, h), mesh, col)
-                    put(f"{x}.down_proj.weight", w2[e], (h, ie), mesh, row)
+                    put(f"{x}.gate_proj.weight", w13[i, :il], (ie, h), m, c)
+                    put(f"{x}.up_proj.weight", w13[i, il:], (ie, h), m, c)
+                    put(f"{x}.down_proj.weight", w2[i], (h, ie), m, r)
             else:
                 gu = w[f"{p}.mlp.gate_up_proj.weight"]
                 put(f"{p}.mlp.gate_proj.weight", gu[:self.inter], (s.intermediate_size, h), mesh, col)
@@ -408,12 +424,12 @@ class EngineShard(EngineEndpoint):
         top_w = top_w.to(x.dtype)
         out = torch.zeros_like(flat)
         w13, w2 = w[f"{p}.experts.w13_weight"], w[f"{p}.experts.w2_weight"]
-        for e in range(self.spec.num_experts):
+        for i, e in enumerate(self.experts):
             tok, pos = torch.where(top_i == e)
             if tok.numel() == 0:
                 continue
-            gate, up = F.linear(flat[tok], w13[e]).split(self.e_inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e]) * top_w[tok, pos, None]
+            gate, up = F.linear(flat[tok], w13[i]).split(self.e_inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[i]) * top_w[tok, pos, None]
             out.index_add_(0, tok, y)
         return self._all_reduce(out).view(shape)
 
@@ -451,5 +467,6 @@ class EngineShard(EngineEndpoint):
         return sum(t.numel() for t in self.weights.values())
 
     def __repr__(self) -> str:
-        return (f"EngineShard({self.spec.name}, tp={self.tp}, rank={self.rank}, qkv={self.qkv}, "
+        ep = ", expert_parallel" if self.expert_parallel else ""
+        return (f"EngineShard({self.spec.name}, tp={self.tp}, rank={self.rank}, qkv={self.qkv}{ep}, "
                 f"version={self.version})")

@@ -629,20 +629,22 @@ def _destroy_torch_group() -> None:
 
 
 def _engine(topo: Topology, rank: int, config: Mapping[str, Any], qkv: str,
-            tp_comm: str) -> tuple[EngineShard, int, int]:
+            tp_comm: str, expert_parallel: bool = False) -> tuple[EngineShard, int, int]:
     """This rank's engine shard: an ``EngineWorker`` (stateless TP group) or an ``EngineShard`` on a torch group."""
     _, shard, tp_rank = topo.role(rank)
     tp = topo.engine_tps[shard]
     if tp_comm == "stateless":
         port = topo.engine_ports[shard] if tp > 1 else None
-        return EngineWorker(shard, tp_rank, tp, config=config, qkv=qkv, tp_port=port), shard, tp_rank
+        return EngineWorker(shard, tp_rank, tp, config=config, qkv=qkv, tp_port=port,
+                            expert_parallel=expert_parallel), shard, tp_rank
     if tp_comm != "torch":
         raise LayoutError(f"tp_comm must be 'torch' or 'stateless', got {tp_comm!r}")
     comm = None
     if tp > 1:
         _init_torch_group(topo.engine_ports[shard], tp_rank, tp)
         comm = TorchTPComm()
-    return EngineShard(EngineConfig.from_hf(config), tp_size=tp, tp_rank=tp_rank, comm=comm, qkv=qkv), shard, tp_rank
+    return EngineShard(EngineConfig.from_hf(config), tp_size=tp, tp_rank=tp_rank, comm=comm, qkv=qkv,
+                       expert_parallel=expert_parallel), shard, tp_rank
 
 
 def _refit(group, src: Mapping[str, Entry], dst: Mapping[str, Entry]) -> dict:
@@ -673,7 +675,8 @@ def _serve(group, topo: Topology, engine: EngineShard, shard: int, tp_rank: int,
 
 
 def refit_check_worker(group, topo: Topology, config: Mapping[str, Any], *, steps: int = 2, prompt: Sequence[int],
-                       new_tokens: int = 4, seed: int = 0, lr: float = 1e-2, tp_comm: str = "stateless") -> list[dict]:
+                       new_tokens: int = 4, seed: int = 0, lr: float = 1e-2, tp_comm: str = "stateless",
+                       engine_ep: bool = False) -> list[dict]:
     """Run on every rank of a LocalFleet: HF trainer (TP x FSDP2) -> engine shards, refit after every step.
 
     ``group`` is the fleet's refit communicator (``StatelessProcessGroup``); ``config`` an HF
@@ -681,6 +684,7 @@ def refit_check_worker(group, topo: Topology, config: Mapping[str, Any], *, step
     ``HFTrainerWorker`` s on their own torch default group; engine ranks ``EngineWorker`` s
     (``tp_comm="stateless"``) or ``EngineShard`` s on a torch group per shard (``"torch"``).
     Step 0 refits the initial weights, then each step is one AdamW step and a refit.
+    ``engine_ep`` splits the routed experts whole across each shard's workers (engine EP).
 
     Returns per-step dicts: trainer rank 0 adds the reference ``logits`` / ``tokens`` (an HF
     forward of the ``full_tensor()`` weights), ``loss`` and, at step 0, ``placements``; TP rank
@@ -692,7 +696,7 @@ def refit_check_worker(group, topo: Topology, config: Mapping[str, Any], *, step
     engine = None
     try:
         if role != "trainer":
-            engine, shard, tp_rank = _engine(topo, group.rank, config, "plain", tp_comm)
+            engine, shard, tp_rank = _engine(topo, group.rank, config, "plain", tp_comm, engine_ep)
             return _serve(group, topo, engine, shard, tp_rank, steps, ids, new_tokens)
         trainer = HFTrainerWorker(group.rank, topo.trainer_world, config=config, dp=topo.trainer_dp,
                                   tp=topo.trainer_tp, master_port=topo.trainer_port, seed=seed, lr=lr)
