@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import threading
 import time
 
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
@@ -43,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-shard", type=int, default=1, help="shard that loses a worker [1]")
     p.add_argument("--timeout", type=float, default=15.0, help="refit_timeout_s, the per-refit deadline [15]")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds to wait for Ray to start or to be joined [60]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the live display")
 
 
@@ -229,6 +233,27 @@ def print_table(result: dict) -> None:
     console.print(f"{verdict}; start-up {result['startup_s']:.1f}s, total {result['total_s']:.1f}s")
 
 
+def _start_ray(ray, args) -> str | None:
+    """``ray.init`` bounded by ``--connect-timeout``: None, ``"timeout"``, or the error in one line."""
+    outcome: dict[str, str | None] = {}
+
+    def start() -> None:
+        try:
+            if args.address:
+                ray.init(address=args.address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                         object_store_memory=200 * 1024 * 1024)
+            outcome["error"] = None
+        except Exception as e:  # noqa: BLE001 - Ray's start-up errors vary; say what failed
+            outcome["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+    thread = threading.Thread(target=start, name="ray-init", daemon=True)
+    thread.start()
+    thread.join(args.connect_timeout)
+    return outcome.get("error", "timeout") if not thread.is_alive() else "timeout"
+
+
 def _reachable(address: str, timeout_s: float = 3.0) -> bool:
     import socket
 
@@ -270,18 +295,19 @@ def run(args) -> int:
               "start one with `ray start --head` or leave out --address to start a local one")
         return 2
     started = False
-    try:
-        if not ray.is_initialized():
-            if args.address:
-                ray.init(address=args.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                         object_store_memory=200 * 1024 * 1024)
-            started = True
-    except Exception as e:  # noqa: BLE001 - Ray's start-up errors vary; say what failed
+    if not ray.is_initialized():
+        failure = _start_ray(ray, args)
         where = f"the Ray cluster at {args.address}" if args.address else "a local Ray cluster"
-        print(f"refit demo: could not start or join {where}: {type(e).__name__}: {str(e).splitlines()[0]}")
-        return 2
+        if failure == "timeout":
+            # Ray keeps retrying a port that answers but is no Ray head, and its threads keep
+            # the interpreter alive: say so, and leave without waiting for them.
+            print(f"refit demo: could not join {where} within {args.connect_timeout:.0f}s: something listens "
+                  "there, but no Ray head answered (is it the head's GCS port, 6379 by default?)", flush=True)
+            os._exit(2)
+        if failure is not None:
+            print(f"refit demo: could not start or join {where}: {failure}")
+            return 2
+        started = True
     from refit.errors import RefitError
 
     if args.device == "cuda":

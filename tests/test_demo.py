@@ -48,3 +48,18 @@ def test_refit_demo_refuses_bad_flags_before_starting_anything(argv, message):
                           timeout=60)
     assert proc.returncode == 2 and message in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_refit_demo_says_clearly_when_a_port_answers_but_is_no_ray_head():
+    import socket
+
+    with socket.socket() as listener:  # the kernel completes the handshakes; nobody speaks Ray
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--address", f"127.0.0.1:{port}",
+                               "--connect-timeout", "5"], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert f"could not join the Ray cluster at 127.0.0.1:{port} within 5s" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
