@@ -44,9 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-step", type=int, default=2, help="step whose refit loses a worker (0: none) [2]")
     p.add_argument("--kill-shard", type=int, default=1, help="shard that loses a worker [1]")
     p.add_argument("--timeout", type=float, default=15.0, help="refit_timeout_s, the per-refit deadline [15]")
+    p.add_argument("--nixl", action="store_true",
+                   help="move the weights with one-sided NIXL writes (pip install 'refit[nixl]'); with "
+                        "--device cuda ranks then share GPUs (CUDA IPC between processes), so the whole "
+                        "demo fits on as many GPUs as the largest of trainer dp*tp and engine TP")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     p.add_argument("--connect-timeout", type=float, default=60.0,
-                   help="seconds to wait for Ray to start or to be joined [60]")
+                   help="seconds to wait for the Ray cluster of --address to be joined [60]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the live display")
 
 
@@ -126,14 +130,19 @@ def run_demo(args, progress=lambda text: None) -> dict:
     t_start = time.monotonic()
     progress("starting the fleet (trainer and engine actors)")
     sizes = engine_sizes(args)
+    placement = {}
+    if args.device == "cuda" and args.nixl:
+        # NIXL ranks share GPUs: Ray hands out none, each actor picks its own (refit.models.hf.shared_gpu)
+        placement = {"share_gpus": int(ray.cluster_resources().get("GPU", 0)),
+                     "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     fleet = RayFleet(
         HFTrainerWorker, EngineWorker,
         train_world_size=args.trainer_dp * args.trainer_tp, num_shards=len(sizes),
         workers_per_shard=sizes,
         trainer_kwargs={"config": config, "dp": args.trainer_dp, "tp": args.trainer_tp, "master_port": free_port(),
-                        "device": args.device},
-        engine_kwargs={"config": config, "device": args.device, "expert_parallel": args.engine_ep},
-        actor_options={"num_gpus": 1} if args.device == "cuda" else None,
+                        "device": args.device, **placement},
+        engine_kwargs={"config": config, "device": args.device, "expert_parallel": args.engine_ep, **placement},
+        actor_options={"num_gpus": 1} if args.device == "cuda" and not placement else None,
     )
     killer = _Killer(fleet, args.kill_shard)
     rows, events = [], []
@@ -148,7 +157,8 @@ def run_demo(args, progress=lambda text: None) -> dict:
             killer.on_phase(phase)
 
         step = 0
-        sync = ReshardWeightSynchronizer.from_fleet(fleet, refit_timeout_s=args.timeout, on_phase=on_phase)
+        sync = ReshardWeightSynchronizer.from_fleet(fleet, refit_timeout_s=args.timeout, on_phase=on_phase,
+                                                    transport="nixl" if args.nixl else None)
         progress("building communicators and the plan")
         sync.init_communicator()
         startup_s = time.monotonic() - t_start
@@ -188,7 +198,8 @@ def run_demo(args, progress=lambda text: None) -> dict:
     ok = all(r["verified"] and r["max_abs_logit_diff"] <= TOLERANCE and r["tokens_match"] for r in rows)
     readmitted = any(args.kill_shard in r["shards"] for r in rows if r["step"] > args.kill_step)
     return {
-        "model": args.model, "device": args.device, "logit_tolerance": TOLERANCE,
+        "model": args.model, "device": args.device, "transport": "nixl" if args.nixl else "communicator",
+        "logit_tolerance": TOLERANCE,
         "trainer": f"FSDP2 dp={args.trainer_dp} x TP={args.trainer_tp}",
         "engines": _describe(sizes, args.engine_ep),
         "trainer_params": len(placements), "trainer_strided_shard_params": strided,
@@ -234,24 +245,30 @@ def print_table(result: dict) -> None:
 
 
 def _start_ray(ray, args) -> str | None:
-    """``ray.init`` bounded by ``--connect-timeout``: None, ``"timeout"``, or the error in one line."""
-    outcome: dict[str, str | None] = {}
+    """Start a local Ray, or join ``--address`` within ``--connect-timeout``.
 
-    def start() -> None:
+    Returns None, ``"timeout"``, or the error in one line. Only the join runs in a thread:
+    Ray ties the processes of a local start to the thread that started them (they die
+    with it), and a start either works or fails on its own.
+    """
+    def start() -> str | None:
         try:
             if args.address:
                 ray.init(address=args.address, log_to_driver=False)
             else:
                 ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                          object_store_memory=200 * 1024 * 1024)
-            outcome["error"] = None
         except Exception as e:  # noqa: BLE001 - Ray's start-up errors vary; say what failed
-            outcome["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        return None
 
-    thread = threading.Thread(target=start, name="ray-init", daemon=True)
+    if not args.address:
+        return start()
+    outcome: dict[str, str | None] = {}
+    thread = threading.Thread(target=lambda: outcome.update(error=start()), name="ray-join", daemon=True)
     thread.start()
     thread.join(args.connect_timeout)
-    return outcome.get("error", "timeout") if not thread.is_alive() else "timeout"
+    return "timeout" if thread.is_alive() else outcome.get("error")
 
 
 def _reachable(address: str, timeout_s: float = 3.0) -> bool:
@@ -281,6 +298,12 @@ def run(args) -> int:
     except ValueError as e:
         print(f"refit demo: {e}")
         return 2
+    if args.nixl:
+        from refit.nixl import nixl_available
+
+        if not nixl_available():
+            print("refit demo --nixl needs NIXL: pip install 'refit[nixl]'")
+            return 2
     if args.engine_ep and args.model != "qwen3-moe":
         print(f"refit demo: --engine-ep splits routed experts; --model {args.model} has none (use --model qwen3-moe)")
         return 2
@@ -313,7 +336,16 @@ def run(args) -> int:
     if args.device == "cuda":
         need = args.trainer_dp * args.trainer_tp + sum(sizes)
         have = int(ray.cluster_resources().get("GPU", 0))
-        if have < need:
+        if args.nixl:  # ranks share GPUs; only the trainer's and each shard's own NCCL groups need distinct ones
+            need = max(args.trainer_dp * args.trainer_tp, *sizes)
+            if have < need:
+                if started:
+                    ray.shutdown()
+                print(f"refit demo --device cuda --nixl: needs {need} GPUs (the trainer's {args.trainer_dp}x"
+                      f"{args.trainer_tp} and every engine shard's TP group are NCCL, one rank per GPU), the Ray "
+                      f"cluster has {have}")
+                return 2
+        elif have < need:
             if started:
                 ray.shutdown()
             print(f"refit demo --device cuda: needs {need} GPUs (one per rank: trainer {args.trainer_dp}x"

@@ -10,9 +10,19 @@ pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 
+def _nixl() -> bool:
+    from refit.nixl import nixl_available
+
+    return nixl_available()
+
+
 @pytest.mark.timeout(400)
-def test_refit_demo_json_reports_recovery_and_readmission():
-    proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--json", "--steps", "3"],
+@pytest.mark.parametrize("transport", ["communicator", "nixl"])
+def test_refit_demo_json_reports_recovery_and_readmission(transport):
+    if transport == "nixl" and not _nixl():
+        pytest.skip("NIXL is not installed")
+    extra = ["--nixl"] if transport == "nixl" else []
+    proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--json", "--steps", "3", *extra],
                           capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -22,6 +32,7 @@ def test_refit_demo_json_reports_recovery_and_readmission():
     assert all(s["verified"] and s["tokens_match"] and s["max_abs_logit_diff"] <= 1e-5 for s in steps)
     assert result["engines"].startswith("3 shards: TP2, TP2, TP1")  # the default: engine layouts of two sizes
     assert result["trainer_strided_shard_params"] > 0  # FSDP2 x TP: where _StridedShard appears
+    assert result["transport"] == transport
     assert steps[0]["shards"] == [0, 1, 2]
     assert steps[1]["shards"] == [0, 2] and steps[1]["recovery_s"] is not None  # lost mid-refit, recovered
     assert steps[2]["shards"] == [0, 1, 2]  # restarted and re-admitted

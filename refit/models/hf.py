@@ -46,6 +46,7 @@ with the trainer's reference (an HF forward of the ``full_tensor()`` weights).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import warnings
@@ -466,18 +467,22 @@ class HFTrainerWorker(HFTrainer):
     builds the model from ``config`` (an HF config or its ``to_dict()``). ``world_size`` must be
     ``dp * tp``. Its refit ranks are its trainer ranks (``refit_sources`` meshes in ``0..world-1``).
     ``device="cuda"`` trains on this process's current GPU over NCCL (under Ray, the one GPU
-    the actor was given); results come back on the host.
+    the actor was given), or, with ``share_gpus=G``, on GPU ``rank % G`` of the host (see
+    ``shared_gpu``); results come back on the host.
     """
 
     def __init__(self, rank: int, world_size: int, *, config: Any, dp: int, tp: int, master_port: int,
-                 master_addr: str = "127.0.0.1", threads: int = 1, device: str = "cpu", **kwargs: Any):
+                 master_addr: str = "127.0.0.1", threads: int = 1, device: str = "cpu",
+                 share_gpus: int | None = None, visible_devices: str | None = None, **kwargs: Any):
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         _quiet_dtensor_logs()
         if dp * tp != world_size:
             raise LayoutError(f"HFTrainerWorker: dp*tp = {dp * tp} but world_size = {world_size}")
-        if torch.device(device).type == "cuda":
+        if share_gpus:
+            device = shared_gpu(rank % share_gpus, visible_devices)
+        elif torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device).index or 0)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo",
@@ -498,14 +503,17 @@ class EngineWorker(EngineShard):
     ``config`` is an HF config or its ``to_dict()`` (transformers is not imported). A shard of
     more than one worker needs its TP group: give ``tp_port`` (a ``StatelessProcessGroup``
     rendezvous hosted by worker 0 of the shard), or call ``connect_tp`` later, e.g. after a
-    restart, with a fresh port.
+    restart, with a fresh port. ``share_gpus=G`` puts worker ``w`` of shard ``s`` on GPU
+    ``(s + w) % G`` of the host (``shared_gpu``), so a shard's workers never share one.
     """
 
     def __init__(self, shard: int, worker: int, workers_per_shard: int, *, config: Any, qkv: str = "plain",
                  tp_port: int | None = None, tp_addr: str = "127.0.0.1", threads: int = 1, device: str = "cpu",
-                 **kwargs: Any):
+                 share_gpus: int | None = None, visible_devices: str | None = None, **kwargs: Any):
         torch.set_num_threads(threads)
-        if torch.device(device).type == "cuda":
+        if share_gpus:  # a shard's workers on distinct GPUs (its TP group is NCCL), shards staggered
+            device = shared_gpu((shard + worker) % share_gpus, visible_devices)
+        elif torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device).index or 0)
         kwargs["device"] = device
         self.device = torch.device(device)  # _connect, below, runs before EngineShard.__init__ sets it
@@ -551,6 +559,26 @@ class _Unconnected:
         raise LayoutError("this engine shard's TP group is not connected: call connect_tp(port) on every worker")
 
     all_gather = all_reduce
+
+
+def shared_gpu(index: int, visible_devices: str | None) -> str:
+    """Select GPU ``index`` in a process that Ray gave no GPU of its own; returns the device.
+
+    Ray hides every GPU from an actor that asked for none, but ranks that share GPUs (the
+    NIXL transport, whose CUDA IPC needs the peers' GPUs visible) must see them all:
+    ``visible_devices`` is the driver's ``CUDA_VISIBLE_DEVICES`` (None: every GPU). Must run
+    before this process touches CUDA.
+    """
+    if torch.cuda.is_initialized():
+        raise LayoutError("shared_gpu: CUDA is already initialised in this process; choose the GPU first")
+    if visible_devices is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if not 0 <= index < torch.cuda.device_count():
+        raise LayoutError(f"shared_gpu: GPU {index} requested, this process sees {torch.cuda.device_count()}")
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
 
 
 def _quiet_dtensor_logs() -> None:
