@@ -502,6 +502,13 @@ class NixlTransport:
         for p in peers:
             e = roster[p]
             if self._loaded.get(e.agent_name) != e.metadata:
+                if e.agent_name in self._loaded:
+                    # A known agent that registered new memory (a new plan): NIXL refuses to load
+                    # an agent twice (NIXL_ERR_NOT_ALLOWED), so drop it, and the handles into it, first.
+                    for q, r in list(self._remotes.items()):
+                        if r.entry.agent_name == e.agent_name:
+                            self._release_handles(q)
+                    self._drop_agent(e.agent_name)
                 try:
                     name = self.agent.add_remote_agent(e.metadata)
                 except Exception as err:  # noqa: BLE001

@@ -152,3 +152,37 @@ def test_two_ranks_on_one_gpu_are_refused_naming_them():
             sync.init_communicator()
     finally:
         sync.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_nixl_synchronizer_on_gpus_loses_a_shard_and_readmits_it():
+    """NIXL lets ranks share a GPU (CUDA IPC between processes; here threads): trainer on GPU 0,
+    three one-worker shards on GPU 1. A rebuild re-registers the trainer's buffers, so every
+    engine must reload a peer agent it already knows with new metadata (NIXL refuses to load
+    an agent twice: it has to be dropped first)."""
+    import refit
+    from refit.fleet import SyntheticEngine, SyntheticTrainer
+    from refit.nixl import nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL is not installed")
+    trainers = [SyntheticTrainer(0, 1, hidden=64, device="cuda:0")]
+    engines = [[SyntheticEngine(s, 0, 1, hidden=64, device="cuda:1")] for s in range(3)]
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=60.0, transport="nixl")
+    try:
+        trainers[0].set_step(1)
+        assert sync.sync_weights().verified
+        sync._engines[1][0].kill()
+        trainers[0].set_step(2)
+        res = sync.sync_weights()
+        assert res.verified and res.rebuilt and res.shards == [0, 2]
+        assert all(engines[s][0].check_weights(2) == [] for s in (0, 2))
+        fresh = [SyntheticEngine(1, 0, 1, hidden=64, device="cuda:1")]
+        sync.replace_shard(1, fresh)
+        engines[1] = fresh
+        trainers[0].set_step(3)
+        res = sync.sync_weights()
+        assert res.verified and res.rebuilt and res.shards == [0, 1, 2]
+        assert all(engines[s][0].check_weights(3) == [] for s in range(3))
+    finally:
+        sync.shutdown()
