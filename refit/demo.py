@@ -12,9 +12,11 @@ survivors; the shard is restarted and re-admitted at the next refit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -105,7 +107,7 @@ def engine_sizes(args) -> list[int]:
 def _describe(sizes: list[int], expert_parallel: bool = False) -> str:
     kinds = ", ".join(f"TP{n}" for n in sizes)
     experts = ", experts under EP" if expert_parallel else ""
-    return f"{len(sizes)} shards: {kinds} (fused qkv_proj / gate_up_proj{experts})"
+    return f"{len(sizes)} shard{'s' if len(sizes) > 1 else ''}: {kinds} (fused qkv_proj / gate_up_proj{experts})"
 
 
 def _connect_tp(fleet, shard, timeout_s):
@@ -355,7 +357,9 @@ def run(args) -> int:
             return 2
     try:
         if args.json:
-            result = run_demo(args)
+            # Ray prints a killed worker's obituary on stdout; --json keeps stdout for the JSON alone
+            with contextlib.redirect_stdout(sys.stderr):
+                result = run_demo(args)
             print(json.dumps(result, indent=2, default=str))
         else:
             from rich.console import Console
