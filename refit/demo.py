@@ -352,8 +352,8 @@ def run(args) -> int:
                 ray.shutdown()
             print(f"refit demo --device cuda: needs {need} GPUs (one per rank: trainer {args.trainer_dp}x"
                   f"{args.trainer_tp} + engines {'+'.join(map(str, sizes))}; NCCL allows one rank per GPU "
-                  f"in a communicator), the Ray cluster has {have}. On 2 GPUs: --trainer-dp 1 --trainer-tp 1 --engine-tp 1 "
-                  "--engines 1 --kill-step 0 (losing a shard needs a second one to survive).")
+                  f"in a communicator), the Ray cluster has {have}. On 2 GPUs: --nixl --trainer-tp 1 (ranks then "
+                  "share GPUs), or --trainer-dp 1 --trainer-tp 1 --engine-tp 1 --engines 1 --kill-step 0.")
             return 2
     try:
         if args.json:

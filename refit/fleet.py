@@ -112,7 +112,8 @@ class RayFleet:
     """
 
     def __init__(self, trainer_cls: type, engine_cls: type, *, train_world_size: int, num_shards: int,
-                 workers_per_shard: int | Sequence[int], trainer_kwargs: dict | None = None, engine_kwargs: dict | None = None,
+                 workers_per_shard: int | Sequence[int], trainer_kwargs: dict | None = None,
+                 engine_kwargs: dict | None = None,
                  actor_options: dict | None = None, start_timeout_s: float = 120.0):
         import ray
 

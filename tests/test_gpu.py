@@ -145,7 +145,7 @@ def test_two_ranks_on_one_gpu_are_refused_naming_them():
     from refit.fleet import SyntheticEngine, SyntheticTrainer
 
     trainers = [SyntheticTrainer(0, 1, hidden=64, device="cuda:0")]
-    engines = [[SyntheticEngine(0, 0, 1, hidden=64, device="cuda:1")], [SyntheticEngine(1, 0, 1, hidden=64, device="cuda:1")]]
+    engines = [[SyntheticEngine(s, 0, 1, hidden=64, device="cuda:1")] for s in range(2)]
     sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0)
     try:
         with pytest.raises(PlanError, match="shard 0 worker 0 .* and shard 1 worker 0 .* are both on GPU 1"):
