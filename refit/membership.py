@@ -106,7 +106,7 @@ def _workers_per_shard(dp_size: int, total_gen_workers: int, train_world_size: i
     if total_gen_workers % dp_size:
         raise ValueError(
             f"total_gen_workers={total_gen_workers} is not divisible by dp_size={dp_size}: "
-            "every generation shard must have the same number of workers"
+            "without shard_sizes every generation shard has the same number of workers"
         )
     return total_gen_workers // dp_size
 
