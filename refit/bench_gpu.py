@@ -26,16 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
 from refit.comm import free_port
-from refit.launch import LocalFleet
+from refit.launch import LocalFleet, serve_requests
 
 GB = 1e9
 MIB = 1 << 20
@@ -61,29 +59,23 @@ def _device_worker(rank: int, world_size: int, port: int, conn, peer: str, init_
 
     dev = rank % max(torch.cuda.device_count(), 1)
     torch.cuda.set_device(dev)
-    state = {}
+    state: dict[str, Any] = {}
     try:
         state["group"] = StatelessProcessGroup("127.0.0.1", port, rank, world_size, backend="nccl", device=dev,
                                                peer=peer, timeout_s=120, init_timeout_s=init_timeout_s)
-    except BaseException as e:  # noqa: BLE001 - reported on the first request
-        state["error"] = (type(e).__name__, traceback.format_exc())
+    except BaseException as e:  # noqa: BLE001 - reported on every request
+        state["error"] = e
+
+    def call(fn, args, kwargs):
+        if "error" in state:
+            raise state["error"]
+        if fn is rebuild_group:  # the new group stays here; the parent gets this process's pid
+            state["group"] = fn(state["group"], *args, **kwargs)
+            return os.getpid()
+        return fn(state["group"], *args, **kwargs)
+
     try:
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                break
-            fn, args, kwargs = msg
-            if "error" in state:
-                conn.send(("err", state["error"]))
-                continue
-            try:
-                if fn is rebuild_group:
-                    state["group"] = fn(state["group"], *args, **kwargs)
-                    conn.send(("ok", os.getpid()))
-                else:
-                    conn.send(("ok", fn(state["group"], *args, **kwargs)))
-            except BaseException as e:  # noqa: BLE001
-                conn.send(("err", (type(e).__name__, traceback.format_exc())))
+        serve_requests(conn, call)
     finally:
         if "group" in state:
             state["group"].abort()
@@ -95,27 +87,11 @@ class DeviceFleet(LocalFleet):
 
     def __init__(self, world_size: int = 2, *, peer: str = "nemo", init_timeout_s: float = 60.0,
                  start_timeout_s: float = 300.0):
-        self.world_size = world_size
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self._conns, self._procs = [], []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_device_worker, args=(rank, world_size, port, child, peer, init_timeout_s),
-                            daemon=True)
-            p.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(p)
-        self.run(_ready, timeout_s=start_timeout_s)
+        self._start(world_size, _device_worker, (peer, init_timeout_s), start_timeout_s)
 
     def rebuild(self, peer: str | None = None, timeout_s: float = 120.0) -> None:
         """Every rank aborts its group and joins a new one on a fresh port."""
         self.run(rebuild_group, free_port(), peer, timeout_s=timeout_s)
-
-
-def _ready(group) -> int:
-    return os.getpid()
 
 
 # -- the model -------------------------------------------------------------------------------------

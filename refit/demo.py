@@ -29,7 +29,8 @@ TOLERANCE = 1e-5
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: every rank on the host, gloo [cpu]; cuda: one GPU per trainer rank and engine "
-                        "worker, NCCL (needs trainer-dp*trainer-tp + engines*engine-tp GPUs)")
+                        "worker, NCCL (needs trainer-dp*trainer-tp + the engine TP sizes' sum of GPUs; with "
+                        "--nixl ranks share GPUs)")
     p.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama", help="tiny model shape [llama]")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit [4]")
     p.add_argument("--trainer-dp", type=int, default=2, help="trainer FSDP2 size [2]")
@@ -120,7 +121,8 @@ def _connect_tp(fleet, shard, timeout_s):
         ray.get([w.connect_tp.remote(port) for w in fleet.engines[shard]], timeout=timeout_s)
 
 
-def run_demo(args, progress=lambda text: None) -> dict:
+def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
+    """One demo run; ``gpus``: the cluster's GPUs, which ``--device cuda --nixl`` ranks share."""
     import ray
 
     from refit import ReshardWeightSynchronizer
@@ -135,8 +137,7 @@ def run_demo(args, progress=lambda text: None) -> dict:
     placement = {}
     if args.device == "cuda" and args.nixl:
         # NIXL ranks share GPUs: Ray hands out none, each actor picks its own (refit.models.hf.shared_gpu)
-        placement = {"share_gpus": int(ray.cluster_resources().get("GPU", 0)),
-                     "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        placement = {"share_gpus": gpus, "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     fleet = RayFleet(
         HFTrainerWorker, EngineWorker,
         train_world_size=args.trainer_dp * args.trainer_tp, num_shards=len(sizes),
@@ -273,6 +274,26 @@ def _start_ray(ray, args) -> str | None:
     return "timeout" if thread.is_alive() else outcome.get("error")
 
 
+def _gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
+    """What ``--device cuda`` lacks on a cluster of ``have`` GPUs, in one line; None when it fits."""
+    trainer = args.trainer_dp * args.trainer_tp
+    if args.nixl:  # ranks share GPUs; only the trainer's and each shard's own NCCL groups need distinct ones
+        need = max(trainer, *sizes)
+        why = (f"the trainer's {args.trainer_dp}x{args.trainer_tp} and every engine shard's TP group are NCCL, "
+               "one rank per GPU")
+        hint = ""
+    else:
+        need = trainer + sum(sizes)
+        why = (f"one per rank: trainer {args.trainer_dp}x{args.trainer_tp} + engines {'+'.join(map(str, sizes))}; "
+               "NCCL allows one rank per GPU in a communicator")
+        hint = (". On 2 GPUs: --nixl --trainer-tp 1 (ranks then share GPUs), or --trainer-dp 1 --trainer-tp 1 "
+                "--engine-tp 1 --engines 1 --kill-step 0.")
+    if have >= need:
+        return None
+    flags = "--device cuda --nixl" if args.nixl else "--device cuda"
+    return f"refit demo {flags}: needs {need} GPUs ({why}), the Ray cluster has {have}{hint}"
+
+
 def _reachable(address: str, timeout_s: float = 3.0) -> bool:
     import socket
 
@@ -335,38 +356,25 @@ def run(args) -> int:
         started = True
     from refit.errors import RefitError
 
-    if args.device == "cuda":
-        need = args.trainer_dp * args.trainer_tp + sum(sizes)
-        have = int(ray.cluster_resources().get("GPU", 0))
-        if args.nixl:  # ranks share GPUs; only the trainer's and each shard's own NCCL groups need distinct ones
-            need = max(args.trainer_dp * args.trainer_tp, *sizes)
-            if have < need:
-                if started:
-                    ray.shutdown()
-                print(f"refit demo --device cuda --nixl: needs {need} GPUs (the trainer's {args.trainer_dp}x"
-                      f"{args.trainer_tp} and every engine shard's TP group are NCCL, one rank per GPU), the Ray "
-                      f"cluster has {have}")
-                return 2
-        elif have < need:
-            if started:
-                ray.shutdown()
-            print(f"refit demo --device cuda: needs {need} GPUs (one per rank: trainer {args.trainer_dp}x"
-                  f"{args.trainer_tp} + engines {'+'.join(map(str, sizes))}; NCCL allows one rank per GPU "
-                  f"in a communicator), the Ray cluster has {have}. On 2 GPUs: --nixl --trainer-tp 1 (ranks then "
-                  "share GPUs), or --trainer-dp 1 --trainer-tp 1 --engine-tp 1 --engines 1 --kill-step 0.")
-            return 2
+    gpus = int(ray.cluster_resources().get("GPU", 0)) if args.device == "cuda" else 0
+    short = _gpu_shortfall(args, sizes, gpus) if args.device == "cuda" else None
+    if short:
+        if started:
+            ray.shutdown()
+        print(short)
+        return 2
     try:
         if args.json:
             # Ray prints a killed worker's obituary on stdout; --json keeps stdout for the JSON alone
             with contextlib.redirect_stdout(sys.stderr):
-                result = run_demo(args)
+                result = run_demo(args, gpus=gpus)
             print(json.dumps(result, indent=2, default=str))
         else:
             from rich.console import Console
 
             console = Console(width=None if Console().is_terminal else 150)
             with console.status("starting") as status:
-                result = run_demo(args, progress=lambda text: status.update(text))
+                result = run_demo(args, progress=lambda text: status.update(text), gpus=gpus)
             print_table(result)
     except RefitError as e:
         print(f"refit demo failed: {type(e).__name__}: {e}")

@@ -30,21 +30,33 @@ class WorkerError(RefitError):
         return next(iter(sorted(self.failures.items())))[1][1]
 
 
+def serve_requests(conn, call: Callable[[Callable[..., Any], tuple, dict], Any]) -> None:
+    """A worker's loop: answer each ``(fn, args, kwargs)`` from ``conn`` with ``call(fn, args, kwargs)``.
+
+    Answers are ``("ok", result)`` or ``("err", (exception type name, traceback))``; the loop
+    ends at ``None`` or when the parent's end of the pipe is gone.
+    """
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", call(fn, args, kwargs)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            conn.send(("err", (type(e).__name__, traceback.format_exc())))
+
+
 def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
     group = StatelessProcessGroup("127.0.0.1", port, rank, world_size, timeout_s=120)
     try:
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                break
-            fn, args, kwargs = msg
-            try:
-                conn.send(("ok", fn(group, *args, **kwargs)))
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
-                conn.send(("err", (type(e).__name__, traceback.format_exc())))
+        serve_requests(conn, lambda fn, args, kwargs: fn(group, *args, **kwargs))
     finally:
         group.abort()
         conn.close()
@@ -52,6 +64,10 @@ def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
 
 class LocalFleet:
     def __init__(self, world_size: int, *, threads_per_rank: int = 1, start_timeout_s: float = 120.0):
+        self._start(world_size, _worker, (threads_per_rank,), start_timeout_s)
+
+    def _start(self, world_size: int, target: Callable[..., None], extra: tuple, start_timeout_s: float) -> None:
+        """One spawned process per rank running ``target(rank, world_size, port, conn, *extra)``."""
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -59,7 +75,7 @@ class LocalFleet:
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world_size, port, child, threads_per_rank), daemon=True)
+            p = ctx.Process(target=target, args=(rank, world_size, port, child, *extra), daemon=True)
             p.start()
             child.close()
             self._conns.append(parent)

@@ -314,17 +314,21 @@ class _RefitEndpoint:
         GPU before NCCL does: NCCL allows one rank per GPU in a communicator and says so
         only as "invalid usage" from inside the rendezvous, on every rank at once.
         """
-        tensors = [as_local_shard(n, v).tensor for n, v in self._refit_tensors().items()]
-        devices = sorted({str(t.device) for t in tensors})
-        if len(devices) > 1:
-            raise LayoutError(f"{self._refit_label()}: tensors on several devices {devices}; one rank moves "
-                              "tensors of one device")
-        dev = tensors[0].device if tensors else torch.device("cpu")
+        dev = self._refit_tensor_device()
         out = {"type": dev.type, "index": None, "uuid": None, "host": socket.gethostname()}
         if dev.type == "cuda":
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             out.update(index=index, uuid=str(torch.cuda.get_device_properties(index).uuid))
         return out
+
+    def _refit_tensor_device(self) -> torch.device:
+        """The one device of this rank's tensors (the host when it has none)."""
+        tensors = [as_local_shard(n, v).tensor for n, v in self._refit_tensors().items()]
+        devices = sorted({str(t.device) for t in tensors})
+        if len(devices) > 1:
+            raise LayoutError(f"{self._refit_label()}: tensors on several devices {devices}; one rank moves "
+                              "tensors of one device")
+        return tensors[0].device if tensors else torch.device("cpu")
 
     def refit_rendezvous(self) -> tuple[str, int]:
         """Address and a free port for the store this rank (rank 0) will host."""
@@ -351,9 +355,7 @@ class _RefitEndpoint:
             try:
                 if spec.rank != 0:
                     _wait_for_listener(spec.address, spec.port, time.monotonic() + spec.timeout_s)
-                device = None
-                if spec.backend == "nccl":
-                    device = _device_of({n: as_local_shard(n, v).tensor for n, v in self._refit_tensors().items()})
+                device = self._refit_tensor_device() if spec.backend == "nccl" else None
                 st.group = StatelessProcessGroup(
                     spec.address, spec.port, spec.rank, spec.world_size,
                     backend=spec.backend, timeout_s=spec.timeout_s, name=f"refit/{spec.epoch}", device=device,

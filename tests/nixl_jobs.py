@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-import traceback
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from layouts import local_slice
+from refit.launch import serve_requests
 from refit.plan import RosterEntry, build_rank_plan, merge_rosters
 
 _S: dict[str, Any] = {}
@@ -236,18 +236,7 @@ def _main(rank, n, port, conn):
 
     group = StatelessProcessGroup("127.0.0.1", port, rank, n, timeout_s=60)
     try:
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:
-                break
-            if msg is None:
-                break
-            fn, args, kwargs = msg
-            try:
-                conn.send(("ok", fn(group, *args, **kwargs)))
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
-                conn.send(("err", (type(e).__name__, str(e), traceback.format_exc())))
+        serve_requests(conn, lambda fn, args, kwargs: fn(group, *args, **kwargs))
     finally:
         close(group)
         group.abort()
@@ -305,7 +294,7 @@ class Procs:
         res = self.call(fn, *args, **kwargs)
         bad = {r: v for r, v in res.items() if v[0] != "ok"}
         if bad:
-            raise AssertionError("; ".join(f"rank {r}: {v[1][2] if v[0] == 'err' else v}" for r, v in bad.items()))
+            raise AssertionError("; ".join(f"rank {r}: {v[1][1] if v[0] == 'err' else v}" for r, v in bad.items()))
         return {r: v[1] for r, v in res.items()}
 
     def close(self) -> None:

@@ -73,3 +73,22 @@ def test_refit_demo_says_clearly_when_a_port_answers_but_is_no_ray_head():
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     assert f"could not join the Ray cluster at 127.0.0.1:{port} within 5s" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_gpu_shortfall_counts_one_gpu_per_rank_over_nccl_and_the_largest_nccl_group_over_nixl():
+    import argparse
+
+    from refit.demo import _gpu_shortfall, add_arguments, engine_sizes
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def short(argv, have):
+        args = parser.parse_args(["--device", "cuda", *argv])
+        return _gpu_shortfall(args, engine_sizes(args), have)
+
+    assert "needs 9 GPUs" in short([], 8) and "the Ray cluster has 8" in short([], 8)
+    assert short([], 9) is None
+    assert "--nixl: needs 4 GPUs" in short(["--nixl"], 2)  # the trainer's 2x2 NCCL group
+    assert short(["--nixl", "--trainer-tp", "1"], 2) is None  # 2x1 trainer, engine TP groups of 2 and 1
+    assert "needs 3 GPUs" in short(["--nixl", "--trainer-tp", "1", "--engine-tp", "3,1"], 2)
