@@ -1,20 +1,20 @@
 """refit: shard-to-shard weight sync from a training fleet to inference engines."""
 
-from refit.comm import StatelessProcessGroup
+from refit.comm.group import StatelessProcessGroup
 from refit.errors import LayoutError, PlanError, RefitError, TransportError
 from refit.layout import DTensorRef, Replicate, Shard, StridedShard, shard_region, shard_slices
-from refit.xfer import xferdtensor, xferdtensor_golden
+from refit.transport.xfer import xferdtensor, xferdtensor_golden
 
-# the control plane (issue 4); Ray stays out of this import, it is loaded by refit.fleet only
-from refit.sync import (
+# the control plane (issue 4); Ray stays out of this import, it is loaded by refit.runtime.ray only
+from refit.control import (
     CollectiveWeightSynchronizer,
     RefitVerificationError,
     ReshardWeightSynchronizer,
     SyncResult,
     WeightSynchronizer,
 )
-from refit.watchdog import RefitAborted, RefitAbortWatchdog
-from refit.workers import EngineEndpoint, TrainerEndpoint
+from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
+from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
 
 __version__ = "0.1.0"
 

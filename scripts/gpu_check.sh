@@ -16,13 +16,13 @@ PY="${PYTHON:-python3}"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m 2>/dev/null | head -5
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'
-  "$PY" -c 'import refit.nccl as n; l = n.library(); print("refit nccl binding:", l.path, l.version)'
+  "$PY" -c 'import refit.comm.nccl as n; l = n.library(); print("refit nccl binding:", l.path, l.version)'
 } 2>&1 | tee "$OUT/env.log"
 
 timeout -s INT -k 10 240 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest.log"
 rc_tests=$?
 
-timeout -s INT -k 10 300 "$PY" -m refit.bench_gpu --gpu-out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+timeout -s INT -k 10 300 "$PY" -m refit.cli.bench_gpu --gpu-out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
 rc_bench=$?
 
 echo "gpu_check: tests rc=$rc_tests, bench rc=$rc_bench (logs and bench.json in $OUT)"

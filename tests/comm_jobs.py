@@ -1,7 +1,7 @@
 """Functions run on every rank of a fleet by the communicator and transport tests.
 
-Device-agnostic: the same jobs run over gloo on CPU (``refit.launch.LocalFleet``) and
-over NCCL on GPUs (``refit.bench_gpu.DeviceFleet``), so the streamed transport is
+Device-agnostic: the same jobs run over gloo on CPU (``refit.testing.launch.LocalFleet``) and
+over NCCL on GPUs (``refit.cli.bench_gpu.DeviceFleet``), so the streamed transport is
 checked with the same plans on both.
 """
 
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from refit import Replicate, Shard
-from refit.plan import build_rank_plan, merge_rosters
-from refit.transport import PlanExecutor
+from refit.plan.planner import build_rank_plan, merge_rosters
+from refit.transport.rounds import PlanExecutor
 
 from layouts import local_slice, rosters_for
 
@@ -179,7 +179,7 @@ def _ended(work, limit_s: float = 10.0) -> bool:
 
 def blocked_recv_released_by_abort(group, delay_s: float = 0.3) -> dict:
     """Rank 1 waits on a receive that rank 0 never sends; another thread aborts the group."""
-    from refit.comm import GroupAborted
+    from refit.comm.group import GroupAborted
 
     out = {"rank": group.rank}
     warm_p2p(group, group)
@@ -215,7 +215,7 @@ def blocked_recv_released_by_abort(group, delay_s: float = 0.3) -> dict:
 
 def split_child_abort(group, delay_s: float = 0.3) -> dict:
     """A rank blocked on a split child is released by aborting the parent."""
-    from refit.comm import GroupAborted
+    from refit.comm.group import GroupAborted
 
     child = group.split(0)
     out = {"rank": group.rank, "child_world": child.world_size}
@@ -271,7 +271,7 @@ def nccl_roundtrip(group) -> dict:
 
 def init_alone(group, port: int, timeout_s: float) -> dict:
     """Rank 0 of a new 2-rank NCCL group whose rank 1 never comes: init must raise in time."""
-    from refit.comm import StatelessProcessGroup
+    from refit.comm.group import StatelessProcessGroup
     from refit.errors import TransportError
 
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from refit.layout import Replicate, Shard, shard_region
-from refit.plan import RosterEntry
+from refit.plan.planner import RosterEntry
 
 
 @st.composite

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from layouts import local_slice
-from refit.launch import serve_requests
-from refit.plan import RosterEntry, build_rank_plan, merge_rosters
+from refit.testing.launch import serve_requests
+from refit.plan.planner import RosterEntry, build_rank_plan, merge_rosters
 
 _S: dict[str, Any] = {}
 
@@ -40,8 +40,7 @@ def count_collectives() -> dict[str, int]:
     counts = _S["collectives"] = {}
     import torch.distributed as dist
 
-    from refit import comm
-
+    from refit.comm import group as comm
     def wrap(owner, name, label):
         fn = getattr(owner, name, None)
         if fn is None or getattr(fn, "_counted", False):
@@ -138,7 +137,7 @@ def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0,
     ``exchange="group"``: the one-time handshake through the fleet's process group (counted);
     ``"relay"``: return the roster entry for the controller (the test) to relay.
     """
-    from refit.nixl import NixlTransport
+    from refit.transport.nixl import NixlTransport
 
     rank = group.rank
     count_collectives()
@@ -184,7 +183,7 @@ def refit_step(group, step, *, timeout_s=10.0, fault=None, replace_src=None):
     peers are already in it). ``replace_src``: give new source tensors (default: every
     other step) instead of writing into the registered ones.
     """
-    from refit.watchdog import RefitAborted, RefitAbortWatchdog
+    from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
     t = _S.get("transport")
     if t is None or _S.get("plan") is None or t.epoch < 0:
@@ -232,7 +231,7 @@ def close(group):
 
 def _main(rank, n, port, conn):
     torch.set_num_threads(1)
-    from refit.comm import StatelessProcessGroup
+    from refit.comm.group import StatelessProcessGroup
 
     group = StatelessProcessGroup("127.0.0.1", port, rank, n, timeout_s=60)
     try:
@@ -248,7 +247,7 @@ class Procs:
     the one-time handshake), driven from the test; a rank that dies is reported, not fatal."""
 
     def __init__(self, n: int):
-        from refit.comm import free_port
+        from refit.comm.group import free_port
 
         ctx = mp.get_context("spawn")
         port = free_port()

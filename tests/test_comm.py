@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import comm_jobs
-from refit.comm import StatelessProcessGroup, _pickle_vllm_unique_id, free_port
+from refit.comm.group import StatelessProcessGroup, _pickle_vllm_unique_id, free_port
 from refit.errors import RefitError
-from refit.launch import LocalFleet
-from refit.streamed import ALIGN, Lanes, StagingArena, _Slot
+from refit.testing.launch import LocalFleet
+from refit.transport.streamed import ALIGN, Lanes, StagingArena, _Slot
 
 WORLD = 4
 
@@ -175,8 +175,7 @@ def test_staging_arena_ring_waits_for_readers():
 def test_gpu_benchmark_flow_runs_on_cpu():
     """The GPU benchmark's whole flow (plans, fused views, baselines, golden, hygiene, summary) on a
     tiny model over gloo: what the one device call will run, minus NCCL."""
-    from refit import bench_gpu
-
+    from refit.cli import bench_gpu
     tiny = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 96, "vocab": 128}
     cfg = dict(bench_gpu._cfg(object()), layers=2, model=tiny, iters=2, refits=3, bucket_mib=1, bucket32_mib=1,
                group_mib=1, staging_mib=1)
@@ -195,8 +194,8 @@ def test_direct_ptr_agrees_with_direct_view():
     import random
 
     from refit.layout import Box
-    from refit.plan import Bucket, Op
-    from refit.streamed import direct_ptr, direct_view
+    from refit.plan.planner import Bucket, Op
+    from refit.transport.streamed import direct_ptr, direct_view
 
     rng = random.Random(3)
     for _ in range(500):

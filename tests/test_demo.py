@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 
 def _nixl() -> bool:
-    from refit.nixl import nixl_available
+    from refit.transport.nixl import nixl_available
 
     return nixl_available()
 
@@ -78,7 +78,7 @@ def test_refit_demo_says_clearly_when_a_port_answers_but_is_no_ray_head():
 def test_gpu_shortfall_counts_one_gpu_per_rank_over_nccl_and_the_largest_nccl_group_over_nixl():
     import argparse
 
-    from refit.demo import _gpu_shortfall, add_arguments, engine_sizes
+    from refit.cli.demo import _gpu_shortfall, add_arguments, engine_sizes
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from refit.launch import LocalFleet  # noqa: E402
+from refit.testing.launch import LocalFleet  # noqa: E402
 from refit.models.engine import EngineConfig, random_canonical_state  # noqa: E402
 from refit.models.hf import (  # noqa: E402
     Topology,

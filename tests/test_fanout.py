@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refit import Replicate, Shard
-from refit.launch import LocalFleet
+from refit.testing.launch import LocalFleet
 from refit.layout import region_numel
-from refit.plan import build_rank_plan, merge_rosters, min_bytes_needed
+from refit.plan.planner import build_rank_plan, merge_rosters, min_bytes_needed
 
 from layouts import local_slice, rosters_for
 from test_plan import WORLD, check_matching, scenarios
@@ -130,7 +130,7 @@ def _full(shape, seed):
 
 def fanout_job(group, params, seed, plan_kwargs):
     """Every rank: build its fan-out plan from the shared params, run it, check each element."""
-    from refit.fanout import execute_fanout_plan
+    from refit.transport.fanout import execute_fanout_plan
 
     index = merge_rosters(rosters_for(params, group.world_size), group.world_size)
     plan = build_rank_plan(index, group.rank, fanout=True, **plan_kwargs)

@@ -29,7 +29,7 @@ from refit.models.megatron import (
 )
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec
-from refit.plan import RosterEntry, TensorLayout, merge_rosters
+from refit.plan.planner import RosterEntry, TensorLayout, merge_rosters
 from refit.layout import dtype_name
 
 
@@ -323,7 +323,7 @@ def test_synchronizer_moves_megatron_views_into_engine_views():
     import threading
 
     import refit
-    from refit.workers import LocalWorker
+    from refit.runtime.endpoint import LocalWorker
 
     spec = moe_spec(groups=1, ratio=4, freq=2)
     par = TrainParallel(tp=2, dp=2, ep=2)

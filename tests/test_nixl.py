@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit.nixl import nixl_available
+from refit.transport.nixl import nixl_available
 
 if not nixl_available():
     pytest.skip("NIXL is not installed (pip install 'refit[nixl]')", allow_module_level=True)

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from refit.nixl import nixl_available
+from refit.transport.nixl import nixl_available
 
 if not nixl_available():
     pytest.skip("NIXL is not installed (pip install 'refit[nixl]')", allow_module_level=True)
 
 import refit  # noqa: E402
-from refit.comm import StatelessProcessGroup  # noqa: E402
+from refit.comm.group import StatelessProcessGroup  # noqa: E402
 from refit.errors import RefitError  # noqa: E402
-from refit.fleet import SyntheticEngine, SyntheticTrainer  # noqa: E402
-from refit.sync import RefitVerificationError  # noqa: E402
+from refit.runtime.ray import SyntheticEngine, SyntheticTrainer  # noqa: E402
+from refit.control import RefitVerificationError  # noqa: E402
 
 HIDDEN = 48
 

@@ -1,12 +1,10 @@
-"""Parts of ``refit.nixl`` that need no NIXL install: UCX transport lists and the missing-extra error."""
+"""Parts of ``refit.transport.nixl`` that need no NIXL install: UCX transport lists and the missing-extra error."""
 
 from __future__ import annotations
 
 import pytest
 
-from refit import nixl
-
-
+from refit.transport import nixl
 @pytest.mark.parametrize("tls, want", [
     (None, None),
     ("", ""),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from refit import LayoutError, PlanError, Replicate, Shard
 from refit.layout import dtype_from_name, region_numel, region_overlap_numel
-from refit.plan import (
+from refit.plan.planner import (
     PlanCache,
     PlanStats,
     RosterEntry,

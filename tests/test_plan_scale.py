@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from refit.layout import intersect_regions, region_numel, region_overlap_numel
 from refit.models import MODELS, build_index, parse_engine, parse_train
 from refit.models.parallel import node_map
-from refit.plan import (
+from refit.plan.planner import (
     PlanStats,
     _contiguous,
     _LayoutGeometry,
@@ -26,7 +26,7 @@ from refit.plan import (
     wire_dtype,
 )
 from refit.layout import dtype_from_name, region_shape
-from refit.sim import Topology, lower_bound, simulate, traffic_of
+from refit.cli.sim import Topology, lower_bound, simulate, traffic_of
 
 from layouts import rosters_for
 from test_plan import WORLD, scenarios

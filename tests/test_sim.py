@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from refit import Replicate, Shard
 from refit.cli import main
-from refit.plan import build_rank_plan, merge_rosters
-from refit.sim import Topology, balance, lower_bound, simulate, traffic_of
+from refit.plan.planner import build_rank_plan, merge_rosters
+from refit.cli.sim import Topology, balance, lower_bound, simulate, traffic_of
 
 from layouts import rosters_for
 from test_plan import WORLD, scenarios

@@ -15,16 +15,16 @@ import torch
 
 import refit
 from refit.errors import PlanError
-from refit.fleet import SyntheticEngine, SyntheticTrainer, _engine_placement, synthetic_shapes
+from refit.runtime.ray import SyntheticEngine, SyntheticTrainer, _engine_placement, synthetic_shapes
 from refit.membership import NoSurvivingShards
-from refit.sync import (
+from refit.control import (
     NoAbsentShard,
     RefitVerificationError,
     RefitWorkerError,
     WeightSynchronizer,
     _settle_before_propagating,
 )
-from refit.workers import LocalWorker, WorkerDied, _LocalPending
+from refit.runtime.endpoint import LocalWorker, WorkerDied, _LocalPending
 
 SYNCS = [refit.ReshardWeightSynchronizer, refit.CollectiveWeightSynchronizer]
 HIDDEN = 48

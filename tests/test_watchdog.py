@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from refit.watchdog import RefitAborted, RefitAbortWatchdog
+from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
 BOUND_S = 2.0  # how long a fake collective may stay blocked before the test fails
 
@@ -119,7 +119,7 @@ def test_aborts_in_order_and_swallows_abort_errors(caplog, thread_errors):
     order: list[str] = []
     child = FakeGroup("child", order, fail=True)
     parent = FakeGroup("parent", order)
-    with caplog.at_level(logging.WARNING, logger="refit.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="refit.runtime.watchdog"):
         with pytest.raises(RefitAborted) as info:
             with RefitAbortWatchdog([child, parent], timeout_s=0.1):
                 parent.recv()

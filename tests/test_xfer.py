@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit.comm import free_port
-from refit.launch import LocalFleet
+from refit.comm.group import free_port
+from refit.testing.launch import LocalFleet
 
 import xfer_jobs
 from layouts import meshes, placements_for, shapes

@@ -44,7 +44,7 @@ from refit.errors import LayoutError
 from refit.layout import DTensorRef, Placement, Replicate, Shard, mesh_coords_of, shard_slices
 from refit.models.megatron import Entry, check_qkv_tp, grouped_local, grouped_shape, qkv_layout
 from refit.models.specs import ModelSpec, load_hf_config
-from refit.workers import EngineEndpoint
+from refit.runtime.endpoint import EngineEndpoint
 
 __all__ = [
     "EngineConfig",

@@ -10,7 +10,7 @@ gloo, and takes real AdamW steps on synthetic batches. Its parameters are torch 
 (replicated over tp so their gradients are all-reduced, see ``HeadNormParallel``), and
 FSDP-only ``[Shard(0)]`` on the ``dp`` sub-mesh for the other norms, routers and experts.
 ``HFTrainerWorker`` and ``EngineWorker`` are the same classes shaped for
-``refit.fleet.RayFleet`` (``trainer_cls(rank=, world_size=, ...)``,
+``refit.runtime.ray.RayFleet`` (``trainer_cls(rank=, world_size=, ...)``,
 ``engine_cls(shard=, worker=, workers_per_shard=, ...)``), i.e. for the synchronizer: they
 are ``TrainerEndpoint`` / ``EngineEndpoint`` s (``refit_sources`` / ``refit_destinations``,
 ``on_weights_loaded``).
@@ -37,7 +37,7 @@ the trainer ranks, shard ``k`` at ``offset = trainer_world + sum(tp of shards be
 their meshes given in their own workers ``0..tp-1`` plus that offset.
 
 Checks. ``refit_check_worker`` (an HF trainer) and ``megatron_check_worker`` (a Megatron-core
-layout) are top-level functions to run on every rank of a ``refit.launch.LocalFleet``: the
+layout) are top-level functions to run on every rank of a ``refit.testing.launch.LocalFleet``: the
 first ranks train (or hold Megatron shards), the rest are engine shards with their own TP
 groups (any TP size per shard); after every step a ``Resharder`` moves the weights shard to shard,
 and every engine computes logits and greedy tokens on a fixed prompt for the caller to compare
@@ -56,7 +56,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from refit.comm import free_port
+from refit.comm.group import free_port
 from refit.errors import LayoutError
 from refit.layout import (
     DTensorRef,
@@ -71,7 +71,7 @@ from refit.layout import (
 from refit.models.engine import EngineConfig, EngineShard, StatelessTPComm, TorchTPComm, random_canonical_state
 from refit.models.megatron import Entry, MegatronLayout
 from refit.models.parallel import TrainParallel
-from refit.workers import TrainerEndpoint
+from refit.runtime.endpoint import TrainerEndpoint
 
 __all__ = [
     "EngineWorker",
@@ -461,7 +461,7 @@ class HFTrainer(TrainerEndpoint):
 
 
 class HFTrainerWorker(HFTrainer):
-    """An ``HFTrainer`` shaped for ``refit.fleet.RayFleet``: ``HFTrainerWorker(rank=, world_size=, ...)``.
+    """An ``HFTrainer`` shaped for ``refit.runtime.ray.RayFleet``: ``HFTrainerWorker(rank=, world_size=, ...)``.
 
     Joins the trainer's own torch default group (gloo, ``tcp://master_addr:master_port``) and
     builds the model from ``config`` (an HF config or its ``to_dict()``). ``world_size`` must be
@@ -498,7 +498,7 @@ class HFTrainerWorker(HFTrainer):
 
 
 class EngineWorker(EngineShard):
-    """An ``EngineShard`` shaped for ``refit.fleet.RayFleet``: ``EngineWorker(shard=, worker=, workers_per_shard=)``.
+    """An ``EngineShard`` shaped for ``refit.runtime.ray.RayFleet``: ``EngineWorker(shard=, worker=, workers_per_shard=)``.
 
     ``config`` is an HF config or its ``to_dict()`` (transformers is not imported). A shard of
     more than one worker needs its TP group: give ``tp_port`` (a ``StatelessProcessGroup``
@@ -528,7 +528,7 @@ class EngineWorker(EngineShard):
             self.comm = None
 
     def _connect(self, addr: str, port: int, worker: int, workers: int) -> StatelessTPComm:
-        from refit.comm import StatelessProcessGroup
+        from refit.comm.group import StatelessProcessGroup
 
         if self._tp_group is not None:
             self._tp_group.abort()
@@ -676,7 +676,7 @@ def _engine(topo: Topology, rank: int, config: Mapping[str, Any], qkv: str,
 
 
 def _refit(group, src: Mapping[str, Entry], dst: Mapping[str, Entry]) -> dict:
-    from refit.xfer import Resharder
+    from refit.transport.xfer import Resharder
 
     t0 = time.perf_counter()
     r = Resharder(group, src=src, dst=dst)

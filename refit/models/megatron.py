@@ -3,8 +3,8 @@
 A Megatron-core trainer rank holds TP-local shards of fused tensors with Megatron names, only
 for the layers of its pipeline stage and only for the experts of its expert-parallel rank.
 ``megatron_to_canonical`` (or ``MegatronLayout.to_canonical``) turns that local state dict into
-``{canonical_name: (DTensorRef, mesh, placements)}``, the format ``refit.xfer.Resharder`` and
-the trainer endpoint of ``refit.workers`` take: every local tensor is a view of the Megatron
+``{canonical_name: (DTensorRef, mesh, placements)}``, the format ``refit.transport.xfer.Resharder`` and
+the trainer endpoint of ``refit.runtime.endpoint`` take: every local tensor is a view of the Megatron
 parameter (its storage), so a refit reads the trainer's memory in place.
 
 Conventions (documented here once; ``refit.models.engine`` follows them)
@@ -82,7 +82,7 @@ from refit.errors import LayoutError
 from refit.layout import DTensorRef, Placement, Replicate, Shard, chunk_bounds
 from refit.models.parallel import TrainParallel
 from refit.models.specs import ModelSpec
-from refit.workers import TrainerEndpoint
+from refit.runtime.endpoint import TrainerEndpoint
 
 __all__ = [
     "Entry",

@@ -14,7 +14,7 @@ import traceback
 from multiprocessing.connection import wait as wait_conns
 from typing import Any, Callable
 
-from refit.comm import StatelessProcessGroup, free_port
+from refit.comm.group import StatelessProcessGroup, free_port
 from refit.errors import RefitError
 
 

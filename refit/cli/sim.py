@@ -11,7 +11,7 @@ The model, simple on purpose so that it can be argued with:
 * Buckets that need no staging (one contiguous block, no cast) are all posted at once
   by the transport and count as one round together; each staged bucket index is a round.
 * A refit runs in phases: the plan's sends and receives, then, with fan-out, the
-  all-gather inside the replica groups (``refit.fanout`` runs them in that order, with a
+  all-gather inside the replica groups (``refit.transport.fanout`` runs them in that order, with a
   barrier between). Within a phase, flows are spread over its length (the transport
   keeps several rounds and every peer in flight, NCCL many channels), so a port is busy
   for its bytes / bandwidth, and the phase lasts as long as its busiest port, plus
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from refit.layout import dtype_from_name, region_numel, region_overlap_numel, shard_region
-from refit.plan import ParamIndex, RankPlan, TensorLayout, wire_dtype
+from refit.plan.planner import ParamIndex, RankPlan, TensorLayout, wire_dtype
 
 PORTS = ("nic_out", "nic_in", "nvl_out", "nvl_in")
 
@@ -182,7 +182,7 @@ def simulate(traffic: Iterable[RankTraffic], topo: Topology) -> SimResult:
         phases.append(Phase(name, start, seconds, worst, lat * rounds, worst_rank, worst_port))
         start += seconds
     # what forwarding each stripe as soon as it lands would give: every port carries both
-    # phases' bytes at once (refit.fanout runs the phases one after the other today)
+    # phases' bytes at once (refit.transport.fanout runs the phases one after the other today)
     overlapped = max((sum(t.ports[ph][p] for ph in range(2)) / topo.bandwidth(p) for t in traffic for p in PORTS),
                      default=0.0) + lat * max((sum(t.rounds) for t in traffic), default=0)
     return SimResult(start, phases, topo, dict(timeline), overlapped)

@@ -114,7 +114,7 @@ def _describe(sizes: list[int], expert_parallel: bool = False) -> str:
 def _connect_tp(fleet, shard, timeout_s):
     import ray
 
-    from refit.comm import free_port
+    from refit.comm.group import free_port
 
     if fleet.shard_sizes[shard] > 1:
         port = free_port()
@@ -126,8 +126,8 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     import ray
 
     from refit import ReshardWeightSynchronizer
-    from refit.comm import free_port
-    from refit.fleet import RayFleet
+    from refit.comm.group import free_port
+    from refit.runtime.ray import RayFleet
     from refit.models.hf import EngineWorker, HFTrainerWorker, tiny_llama_config, tiny_qwen3_moe_config
 
     config = (tiny_llama_config() if args.model == "llama" else tiny_qwen3_moe_config()).to_dict()
@@ -322,7 +322,7 @@ def run(args) -> int:
         print(f"refit demo: {e}")
         return 2
     if args.nixl:
-        from refit.nixl import nixl_available
+        from refit.transport.nixl import nixl_available
 
         if not nixl_available():
             print("refit demo --nixl needs NIXL: pip install 'refit[nixl]'")

@@ -7,7 +7,7 @@ replica); its ``gather_sends`` / ``gather_recvs`` are the all-gather that comple
 region on every member, each member sending the stripes it received to the others.
 
 ``execute_fanout_plan`` runs both parts with the ordinary transport over the same
-communicator (gloo or NCCL, whatever ``refit.transport`` drives): the first part as any
+communicator (gloo or NCCL, whatever ``refit.transport.rounds`` drives): the first part as any
 plan, then, after a barrier, the all-gather as a plan of its own whose *source* tensors
 are this rank's destination tensors. The barrier keeps the two parts' messages between
 one pair of ranks from ever being in flight together, so their round tags cannot be
@@ -23,9 +23,9 @@ from typing import Any, Mapping
 
 import torch
 
-from refit.comm import Communicator
-from refit.plan import RankPlan
-from refit.transport import TransferStats, execute_plan
+from refit.comm.group import Communicator
+from refit.plan.planner import RankPlan
+from refit.transport.rounds import TransferStats, execute_plan
 
 
 @dataclass
@@ -49,7 +49,7 @@ def execute_fanout_plan(plan: RankPlan, comm: Communicator, src: Mapping[str, to
                         dst: Mapping[str, torch.Tensor], *, barrier: bool = True, **kwargs: Any) -> FanoutStats:
     """Run a fan-out plan: the source stripes, a barrier, then the all-gather in each group.
 
-    ``kwargs`` go to ``refit.transport.execute_plan`` for both parts. A plan built
+    ``kwargs`` go to ``refit.transport.rounds.execute_plan`` for both parts. A plan built
     without fan-out runs as usual (its all-gather is empty).
     """
     t0 = time.perf_counter()

@@ -17,12 +17,12 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from refit.errors import PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
-from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
-from refit.sync.errors import NoAbsentShard, RefitWorkerError
-from refit.sync.result import Recorder, SyncResult
-from refit.sync.settle import _settle_before_propagating, brief, wait_any
-from refit.sync.verify import verify_checksums
-from refit.workers import ConnectSpec, LocalWorker, WorkerDied
+from refit.plan.planner import DEFAULT_BUCKET_BYTES, merge_rosters
+from refit.control.errors import NoAbsentShard, RefitWorkerError
+from refit.control.result import Recorder, SyncResult
+from refit.control.settle import _settle_before_propagating, brief, wait_any
+from refit.control.verify import verify_checksums
+from refit.runtime.endpoint import ConnectSpec, LocalWorker, WorkerDied
 
 __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]
 
@@ -59,7 +59,7 @@ def as_worker(handle: Any, name: str) -> Any:
     if hasattr(handle, "call") and hasattr(handle, "is_dead"):
         return handle
     if type(handle).__module__.startswith("ray."):
-        from refit.fleet import RayWorker  # Ray is imported only when Ray handles are given
+        from refit.runtime.ray import RayWorker  # Ray is imported only when Ray handles are given
 
         return RayWorker(handle, name)
     if hasattr(handle, "refit_connect"):
@@ -93,7 +93,7 @@ class _SynchronizerBase:
             holds the survivors there this long.
         transport: None (the communicator: gloo / NCCL) or ``"nixl"`` (reshard only):
             one-sided NIXL WRITEs, no collective during a transfer; every build relays the
-            ranks' NIXL roster entries (``refit.nixl``). Needs ``pip install 'refit[nixl]'``.
+            ranks' NIXL roster entries (``refit.transport.nixl``). Needs ``pip install 'refit[nixl]'``.
         backend: the communicator's backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (every
             build asks each rank where its tensors live: NCCL when all are on GPUs, gloo
             when all are on the host; a mix, or two ranks on one GPU under NCCL, is refused
@@ -157,7 +157,7 @@ class _SynchronizerBase:
 
     @classmethod
     def from_fleet(cls, fleet: Any, **kwargs: Any):
-        """Build from anything with ``.trainers`` and ``.engines`` (e.g. ``refit.fleet.RayFleet``)."""
+        """Build from anything with ``.trainers`` and ``.engines`` (e.g. ``refit.runtime.ray.RayFleet``)."""
         return cls(fleet.trainers, fleet.engines, **kwargs)
 
     # -- membership ------------------------------------------------------------------------
@@ -579,7 +579,7 @@ class ReshardWeightSynchronizer(_SynchronizerBase):
     """Shard-to-shard refit: every destination block comes straight from one source shard.
 
     No full gather on the trainer and no full broadcast: each rank builds its own
-    send/recv plan from the merged rosters (``refit.plan``) and the packed buckets move
+    send/recv plan from the merged rosters (``refit.plan.planner``) and the packed buckets move
     point to point. See ``_SynchronizerBase`` for the arguments.
     """
 

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable
 
-from refit.comm import GroupAborted
+from refit.comm.group import GroupAborted
 from refit.errors import TransportError
 
 NCCL_SUCCESS = 0
@@ -395,7 +395,7 @@ class NcclComm:
 class NcclWork:
     """A stream-ordered NCCL operation: an event recorded after it on its stream."""
 
-    polled = True  # refit.comm waits on it by polling, deadline- and abort-aware
+    polled = True  # refit.comm.group waits on it by polling, deadline- and abort-aware
 
     def __init__(self, event, comm: NcclComm, what: str, keep=None):
         self.event = event

@@ -2,7 +2,7 @@
 
 An RL framework already has trainer and engine actors. Mixing ``TrainerEndpoint`` or
 ``EngineEndpoint`` into them adds the ``refit_*`` methods the controller
-(``refit.sync``) calls; the actor only says which local tensors it holds and how they
+(``refit.control``) calls; the actor only says which local tensors it holds and how they
 are laid out. All rank-side work happens here, inside the actor: joining a fresh
 ``StatelessProcessGroup`` per (re)build, reporting roster entries, building this rank's
 own plan from the merged rosters, and running it under the refit watchdog.
@@ -10,7 +10,7 @@ own plan from the merged rosters, and running it under the refit watchdog.
 The controller never talks to an actor directly but through a small *worker handle*
 (``call`` -> a pending result, ``is_dead``). ``LocalWorker`` drives an endpoint object
 on a thread of this process, so the data plane and the control plane are usable without
-Ray; ``refit.fleet.RayWorker`` drives a Ray actor.
+Ray; ``refit.runtime.ray.RayWorker`` drives a Ray actor.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 import torch
 
-from refit.comm import StatelessProcessGroup, free_port
+from refit.comm.group import StatelessProcessGroup, free_port
 from refit.errors import LayoutError, PlanError, RefitError, TransportError
 from refit.layout import (
     DTensorRef,
@@ -37,9 +37,9 @@ from refit.layout import (
     intersect_regions,
     region_shape,
 )
-from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout, source_shards
-from refit.transport import PlanExecutor, TransferStats, checksum
-from refit.watchdog import RefitAborted, RefitAbortWatchdog
+from refit.plan.planner import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout, source_shards
+from refit.transport.rounds import PlanExecutor, TransferStats, checksum
+from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
 __all__ = [
     "BROADCAST",
@@ -239,7 +239,7 @@ class _State:
     plans: PlanCache = field(default_factory=lambda: PlanCache(max_entries=4))
     fault: _OneShotCorruption | None = None
     loaded_epoch: int = -1
-    nixl: Any = None  # refit.nixl.NixlTransport, when the synchronizer runs transport="nixl"
+    nixl: Any = None  # refit.transport.nixl.NixlTransport, when the synchronizer runs transport="nixl"
 
 
 class _RefitEndpoint:
@@ -438,7 +438,7 @@ class _RefitEndpoint:
         The NIXL agent lives as long as the endpoint (its handshake is cached); the
         controller relays every rank's entry back through ``refit_nixl_membership``.
         """
-        from refit.nixl import NixlTransport
+        from refit.transport.nixl import NixlTransport
 
         st = self._refit_state()
         with st.lock:

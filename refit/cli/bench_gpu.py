@@ -32,8 +32,8 @@ import sys
 import time
 from typing import Any
 
-from refit.comm import free_port
-from refit.launch import LocalFleet, serve_requests
+from refit.comm.group import free_port
+from refit.testing.launch import LocalFleet, serve_requests
 
 GB = 1e9
 MIB = 1 << 20
@@ -43,7 +43,7 @@ MIB = 1 << 20
 
 def rebuild_group(group, port: int, peer: str | None = None, init_timeout_s: float = 60.0):
     """Special job for ``DeviceFleet.rebuild``: abort this rank's group and join a new one."""
-    from refit.comm import StatelessProcessGroup
+    from refit.comm.group import StatelessProcessGroup
 
     if group is not None:
         group.abort()
@@ -55,7 +55,7 @@ def rebuild_group(group, port: int, peer: str | None = None, init_timeout_s: flo
 def _device_worker(rank: int, world_size: int, port: int, conn, peer: str, init_timeout_s: float) -> None:
     import torch
 
-    from refit.comm import StatelessProcessGroup
+    from refit.comm.group import StatelessProcessGroup
 
     dev = rank % max(torch.cuda.device_count(), 1)
     torch.cuda.set_device(dev)
@@ -194,7 +194,7 @@ def _sync_barrier(group) -> None:
 
 def _make_plan(group, cfg, src, dst, bucket_bytes: int, direct_bytes: int | None = None):
     from refit import Replicate
-    from refit.plan import RosterEntry, build_rank_plan, merge_rosters
+    from refit.plan.planner import RosterEntry, build_rank_plan, merge_rosters
     from refit.layout import dtype_name
 
     mine = [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [0], [Replicate()], "src") for n, t in src.items()]
@@ -216,7 +216,7 @@ def _make_plan(group, cfg, src, dst, bucket_bytes: int, direct_bytes: int | None
 
 def _repack(plan, direct_bytes: int, bucket_bytes: int):
     """The same ops cut into buckets with another direct threshold (both ends do the same)."""
-    from refit.plan import RankPlan, pack_buckets
+    from refit.plan.planner import RankPlan, pack_buckets
 
     def cut(ops):
         by_peer = {}
@@ -233,7 +233,7 @@ def _repack(plan, direct_bytes: int, bucket_bytes: int):
 def _breakdown(group, plan, src, dst, kw, n: int = 3) -> dict:
     """Where one synced refit's time goes: host setup / first group queued / all queued, and on
     the GPU: idle before the first NCCL group, first group start to last group end."""
-    from refit.transport import PlanExecutor
+    from refit.transport.rounds import PlanExecutor
 
     dev = _device(group)
     rows = []
@@ -290,9 +290,9 @@ def _verify(group, cfg, views, seed, src_dtype) -> tuple[bool, list[str]]:
 def _bench_rank(group, cfg: dict) -> dict:
     import torch
 
-    from refit.streamed import release_staging
-    from refit.transport import PlanExecutor
-    from refit.xfer import xferdtensor_golden
+    from refit.transport.streamed import release_staging
+    from refit.transport.rounds import PlanExecutor
+    from refit.transport.xfer import xferdtensor_golden
     from refit import DTensorRef, Replicate
 
     dev = _device(group)
@@ -531,7 +531,7 @@ def _abort_probe(group, delay_s: float = 0.3) -> dict:
 
     import torch
 
-    from refit.comm import GroupAborted
+    from refit.comm.group import GroupAborted
 
     # NCCL connects p2p lazily: exchange a few bytes first, so the recv below is a running kernel
     peer = 1 - group.rank

@@ -38,10 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-golden", action="store_true", help="do not time the golden broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--transport", choices=["nccl", "nixl"], default="nccl",
-                   help="with --device cuda: nixl times refit.nixl's one-sided writes next to NCCL on the same "
+                   help="with --device cuda: nixl times refit.transport.nixl's one-sided writes next to NCCL on the same "
                         "plan (needs refit[nixl]) [nccl]")
     try:
-        from refit import bench_gpu
+        from refit.cli import bench_gpu
     except ImportError:
         bench_gpu = None
     if bench_gpu is not None and hasattr(bench_gpu, "add_gpu_arguments"):
@@ -83,7 +83,7 @@ def _setup(group, cfg):
     import torch
 
     from refit.layout import DTensorRef, region_shape, shard_region
-    from refit.xfer import Resharder
+    from refit.transport.xfer import Resharder
 
     n_src, tp, dp = cfg["src"], cfg["dst_tp"], cfg["dst_dp"]
     src_mesh = list(range(n_src))
@@ -133,7 +133,7 @@ _STATE = {}
 def _bench_rank(group, cfg):
     import torch
 
-    from refit.xfer import golden_from_spec
+    from refit.transport.xfer import golden_from_spec
 
     t0 = time.perf_counter()
     resharder, expect = _setup(group, cfg)
@@ -191,8 +191,8 @@ def _bench_rank(group, cfg):
 def run_cpu(args) -> dict:
     import torch
 
-    from refit.launch import LocalFleet
-    from refit.plan import min_bytes_needed
+    from refit.testing.launch import LocalFleet
+    from refit.plan.planner import min_bytes_needed
 
     cfg = {
         "src": args.src, "dst_tp": args.dst_tp, "dst_dp": args.dst_dp, "layers": args.layers,
@@ -253,7 +253,7 @@ def _min_needed(ranks, min_bytes_needed, cfg):
     """The minimum, computed from the rosters alone (independently of the plan)."""
     import numpy as np
 
-    from refit.plan import RosterEntry, merge_rosters
+    from refit.plan.planner import RosterEntry, merge_rosters
 
     n_src, tp, dp = cfg["src"], cfg["dst_tp"], cfg["dst_dp"]
     world = n_src + tp * dp
@@ -300,11 +300,10 @@ def print_table(result: dict) -> None:
 def run(args) -> int:
     if args.device == "cuda":
         if args.transport == "nixl":
-            from refit.nixl import bench as nixl_bench
+            from refit.cli.bench_nixl import bench as nixl_bench
 
             return nixl_bench(["--json"] if args.json else [])
-        from refit import bench_gpu
-
+        from refit.cli import bench_gpu
         return bench_gpu.run_gpu(args)
     if args.transport != "nccl":
         print("refit bench: --transport nixl needs --device cuda (the CPU bench runs over gloo)")

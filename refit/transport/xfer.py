@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from refit.comm import as_communicator
+from refit.comm.group import as_communicator
 from refit.errors import LayoutError, PlanError, RefitError
 from refit.layout import (
     dtype_name,
@@ -24,7 +24,7 @@ from refit.layout import (
     local_tensor_of,
     region_shape,
 )
-from refit.plan import (
+from refit.plan.planner import (
     DEFAULT_BUCKET_BYTES,
     PlanCache,
     RosterEntry,
@@ -33,7 +33,7 @@ from refit.plan import (
     merge_rosters,
     source_shards,
 )
-from refit.transport import PlanExecutor, execute_plan
+from refit.transport.rounds import PlanExecutor, execute_plan
 
 PARAM = "tensor"
 _plan_cache = PlanCache(max_entries=256)

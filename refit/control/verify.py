@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from refit.sync.errors import RefitVerificationError
-from refit.workers import BROADCAST
+from refit.control.errors import RefitVerificationError
+from refit.runtime.endpoint import BROADCAST
 
 __all__ = ["verify_checksums"]
 

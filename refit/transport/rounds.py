@@ -21,10 +21,10 @@ from typing import Callable, Mapping
 
 import torch
 
-from refit.comm import Communicator
+from refit.comm.group import Communicator
 from refit.errors import PlanError
 from refit.layout import dtype_from_name
-from refit.plan import Bucket, Op, RankPlan
+from refit.plan.planner import Bucket, Op, RankPlan
 
 
 @dataclass
@@ -116,7 +116,7 @@ class PlanExecutor:
                  pipeline: str = "auto", staging_budget_bytes: int | None = None, group_bytes: int | None = None,
                  sync: bool = True, timing: bool = False):
         """``pipeline``: ``"rounds"`` (this class's host-driven rounds), ``"streamed"`` (the
-        CUDA-stream pipeline of ``refit.streamed``, bounded by ``staging_budget_bytes``; on CPU
+        CUDA-stream pipeline of ``refit.transport.streamed``, bounded by ``staging_budget_bytes``; on CPU
         tensors it runs on the host), or ``"auto"``: streamed for CUDA tensors on a
         stream-ordered (NCCL) communicator, rounds otherwise. ``sync=False`` (streamed only)
         returns once the work is queued; the caller's stream is ordered after it."""
@@ -157,7 +157,7 @@ class PlanExecutor:
         if mode == "auto":
             mode = "streamed" if device.type == "cuda" and getattr(self.comm, "stream_ordered", False) else "rounds"
         if mode == "streamed":
-            from refit.streamed import StreamedExecutor
+            from refit.transport.streamed import StreamedExecutor
 
             return StreamedExecutor(
                 self.plan, self.comm, device=device, verify=self.verify, corrupt=self._corrupt,

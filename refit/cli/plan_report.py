@@ -4,7 +4,7 @@ Builds the merged index straight from the model's shapes and the layout strings,
 plan of every rank (or of ``--rank R`` alone), and reports per-rank bytes sent and
 received, the heaviest rank against the ideal, the time to build one rank's plan, and a
 simulated refit time on the declared topology next to its bandwidth lower bound (see
-``refit.sim``), with and without replica fan-out. ``--png`` draws the per-rank load and
+``refit.cli.sim``), with and without replica fan-out. ``--png`` draws the per-rank load and
 the simulated timeline; ``--scaling`` measures how one rank's plan-build time grows with
 the number of engine ranks.
 """
@@ -68,7 +68,7 @@ def _gb(n: float) -> str:
 def _setup(args):
     from refit.models import build_index, get_model, parse_engine, parse_train
     from refit.models.parallel import node_map
-    from refit.sim import Topology
+    from refit.cli.sim import Topology
     import dataclasses
 
     model = get_model(args.model)
@@ -81,7 +81,7 @@ def _setup(args):
     merge = {}
     if args.rosters:
         from refit.models import build_rosters
-        from refit.plan import merge_rosters
+        from refit.plan.planner import merge_rosters
 
         rosters = build_rosters(model, train, engine, train_dtype=args.train_dtype, engine_dtype=args.engine_dtype)
         merge["roster_entries"] = sum(len(v) for v in rosters.values())
@@ -111,7 +111,7 @@ def _plan_kwargs(args, variant: dict, topo) -> dict:
 
 def time_one_rank(index, rank: int, repeats: int, **kw) -> dict:
     """Cold builds of one rank's plan (the index's cached geometry dropped before each)."""
-    from refit.plan import PlanStats, build_rank_plan, reset_planner_cache
+    from refit.plan.planner import PlanStats, build_rank_plan, reset_planner_cache
 
     times, cpu = [], []
     plan = stats = None
@@ -148,8 +148,8 @@ def _pair_digest(buckets) -> dict[int, tuple[int, int, int]]:
 
 def plan_all(index, topo, check: bool, **kw) -> dict:
     """Every rank's plan, reduced to its traffic; cross-rank consistency checked on the way."""
-    from refit.plan import build_rank_plan
-    from refit.sim import traffic_of
+    from refit.plan.planner import build_rank_plan
+    from refit.cli.sim import traffic_of
 
     traffic = []
     sends: dict[tuple[int, int, int], tuple] = {}
@@ -173,7 +173,7 @@ def plan_all(index, topo, check: bool, **kw) -> dict:
 
 
 def run_variant(name: str, variant: dict, args, index, topo, train_world: int) -> dict:
-    from refit.sim import balance, lower_bound, simulate
+    from refit.cli.sim import balance, lower_bound, simulate
 
     kw = _plan_kwargs(args, variant, topo)
     res = plan_all(index, topo, not args.no_check, **kw)
@@ -220,7 +220,7 @@ def run_variant(name: str, variant: dict, args, index, topo, train_world: int) -
 def scaling(args, model, train, repeats: int) -> list[dict]:
     """One rank's cold plan-build time as the engine grows (training layout fixed)."""
     from refit.models import build_index, parse_engine
-    from refit.plan import build_rank_plan
+    from refit.plan.planner import build_rank_plan
 
     out = []
     for n in [int(x) for x in args.scaling.split(",") if x]:
@@ -312,7 +312,7 @@ def build_report(args) -> dict:
         if not 0 <= args.rank < index.world_size:
             raise SystemExit(f"--rank {args.rank}: outside the {index.world_size} ranks")
         report["plan_build"] = time_one_rank(index, args.rank, args.repeats, **kw)
-        from refit.plan import build_rank_plan
+        from refit.plan.planner import build_rank_plan
 
         plan = build_rank_plan(index, args.rank, **kw)
         report["rank"] = {"rank": args.rank, "bytes_sent": plan.bytes_sent, "bytes_received": plan.bytes_received,

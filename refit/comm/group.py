@@ -11,7 +11,7 @@ wait closes the pair), so a watchdog arms the group with its deadline
 (``set_deadline``) and every wait on a gloo group gives up there. On NCCL, ``abort()``
 itself releases a blocked rank.
 
-``backend="nccl"`` builds an NCCL communicator over refit's own binding (``refit.nccl``;
+``backend="nccl"`` builds an NCCL communicator over refit's own binding (``refit.comm.nccl``;
 ``docs/comm.md`` says why not torch's ``ProcessGroupNCCL`` or ``nccl4py``): the unique id
 goes through this group's store under the key of the chosen peer protocol, init is
 non-blocking with a deadline, and operations are enqueued on CUDA streams. CUDA tensors
@@ -239,8 +239,7 @@ class StatelessProcessGroup:
         """
         import torch
 
-        from refit import nccl
-
+        from refit.comm import nccl
         if peer not in PEERS:
             raise RefitError(f"init_nccl_communicator: peer must be one of {PEERS}, got {peer!r}")
         if self._aborted.is_set():
@@ -319,7 +318,7 @@ class StatelessProcessGroup:
 
     @property
     def nccl_comm(self):
-        """The ``refit.nccl.NcclComm`` of this group, or None."""
+        """The ``refit.comm.nccl.NcclComm`` of this group, or None."""
         return self._nccl
 
     @property
@@ -384,8 +383,7 @@ class StatelessProcessGroup:
     def _nccl_p2p(self, comm, recvs, sends, what: str, stream=None):
         import torch
 
-        from refit import nccl
-
+        from refit.comm import nccl
         s = self._stream(stream)
         comm.group([(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in recvs],
                    [(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in sends],
@@ -450,8 +448,7 @@ class StatelessProcessGroup:
         names a peer, a pairwise rendezvous whose order would then depend on each rank's windows."""
         import torch
 
-        from refit import nccl
-
+        from refit.comm import nccl
         comm = self._nccl
         if comm is None:
             return
@@ -489,8 +486,7 @@ class StatelessProcessGroup:
             return
         if self._pg is None and self._nccl is not None and not self._aborted.is_set():
             # a CPU tensor on an NCCL-only group: bounce it through the group's device
-            from refit import nccl
-
+            from refit.comm import nccl
             dev_t = tensor.contiguous().to(self.device)
             s = self._stream(stream)
             self._nccl.broadcast(dev_t.data_ptr(), dev_t.numel() * dev_t.element_size(), src, s.cuda_stream,

@@ -381,7 +381,7 @@ class RankPlan:
     recvs: list[Bucket] = field(default_factory=list)
     local: list[Op] = field(default_factory=list)
     # replica fan-out (``build_rank_plan(..., fanout=True)``): the all-gather inside each
-    # group of destination ranks, run after the sends and recvs above (see refit.fanout)
+    # group of destination ranks, run after the sends and recvs above (see refit.transport.fanout)
     gather_sends: list[Bucket] = field(default_factory=list)
     gather_recvs: list[Bucket] = field(default_factory=list)
     fanout: bool = False
@@ -421,7 +421,7 @@ class RankPlan:
 
     def gather_plan(self) -> "RankPlan":
         """The fan-out all-gather as a plan of its own: its sources are this rank's
-        destination tensors (``refit.fanout`` runs it after the main plan)."""
+        destination tensors (``refit.transport.fanout`` runs it after the main plan)."""
         return RankPlan(self.rank, self.world_size, self.bucket_bytes, self.key + ("gather",),
                         sends=self.gather_sends, recvs=self.gather_recvs)
 
@@ -1177,7 +1177,7 @@ def build_rank_plan(
     ``fanout=True`` (opt-in) stripes every region that several destination ranks outside
     the source mesh need alike: the sources send each stripe once per group, to one
     member, and the members complete the region with an all-gather among themselves
-    (``RankPlan.gather_sends`` / ``gather_recvs``, run by ``refit.fanout``). So the
+    (``RankPlan.gather_sends`` / ``gather_recvs``, run by ``refit.transport.fanout``). So the
     sources' egress is one copy per group instead of one per replica. ``fanout_domains``
     (a rank -> domain sequence, mapping or callable, e.g. the node of each rank) keeps
     groups inside one domain, so the all-gather stays on the fast links. Stripes are cut

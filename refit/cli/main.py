@@ -11,9 +11,9 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "demo": ("refit.demo", "train, refit engines every step, kill and re-admit one, and report"),
-    "bench": ("refit.bench", "measure a reshard against raw send/recv and the golden broadcast"),
-    "plan": ("refit.plan_report", "plan a refit for a model and layouts; per-rank load and simulated time"),
+    "demo": ("refit.cli.demo", "train, refit engines every step, kill and re-admit one, and report"),
+    "bench": ("refit.cli.bench", "measure a reshard against raw send/recv and the golden broadcast"),
+    "plan": ("refit.cli.plan_report", "plan a refit for a model and layouts; per-rank load and simulated time"),
 }
 
 

@@ -37,8 +37,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from refit.errors import TransportError
-from refit.plan import Bucket, RankPlan
-from refit.transport import _op_view, direct_view, single_block
+from refit.plan.planner import Bucket, RankPlan
+from refit.transport.rounds import _op_view, direct_view, single_block
 
 DEFAULT_STAGING_BUDGET = 1 << 30
 DEFAULT_GROUP_BYTES = 1 << 30
@@ -96,7 +96,7 @@ def _host_wait_event(comm, event, what: str) -> None:
     if not isinstance(aborted, threading.Event):
         event.synchronize()
         return
-    from refit.nccl import poll_until
+    from refit.comm.nccl import poll_until
 
     poll_until(event.query, deadline=getattr(comm, "_deadline", None), aborted=aborted, what=what)
 
@@ -396,7 +396,7 @@ class StreamedExecutor:
 
     # -- run -------------------------------------------------------------------------------------
     def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]):
-        from refit.transport import TransferStats
+        from refit.transport.rounds import TransferStats
 
         stats = TransferStats()
         t0 = time.perf_counter()
@@ -533,7 +533,7 @@ class StreamedExecutor:
     def _checksums(self, src, dst, stats) -> None:
         """Per-bucket checksums of what was sent (from the sources) and what arrived (from the
         destinations, in wire dtype): both ends compute them over the bucket's layout."""
-        from refit.transport import checksum
+        from refit.transport.rounds import checksum
 
         for b in self.plan.sends:
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)

@@ -3,7 +3,7 @@
 Ray is the orchestrator the RL ecosystem runs on, so it is the supported way to place
 trainer and engine actors; it is imported here only, inside functions, so that
 ``import refit`` works without Ray. One generation shard is its ``workers_per_shard``
-(tp x pp) engine actors; shards may differ in size. Any actor class that mixes in ``refit.workers.TrainerEndpoint``
+(tp x pp) engine actors; shards may differ in size. Any actor class that mixes in ``refit.runtime.endpoint.TrainerEndpoint``
 or ``EngineEndpoint`` works; ``SyntheticTrainer`` / ``SyntheticEngine`` are a small
 synthetic model for demos and tests, with weights that change every step so that a
 stale copy can never pass for a fresh one.
@@ -21,7 +21,7 @@ import torch
 
 from refit.errors import RefitError
 from refit.layout import Replicate, Shard, shard_region
-from refit.workers import EngineEndpoint, TrainerEndpoint, WorkerDied, WorkerTimeout
+from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint, WorkerDied, WorkerTimeout
 
 __all__ = ["RayFleet", "RayWorker", "SyntheticEngine", "SyntheticTrainer", "synthetic_param", "synthetic_shapes"]
 

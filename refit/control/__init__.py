@@ -1,7 +1,7 @@
 """Controller side of a refit: the weight synchronizers, and recovery from lost engines.
 
 One control plane, two data paths. ``ReshardWeightSynchronizer`` moves every param shard
-to shard along the per-rank plans of ``refit.plan``; ``CollectiveWeightSynchronizer``
+to shard along the per-rank plans of ``refit.plan.planner``; ``CollectiveWeightSynchronizer``
 broadcasts every source shard to every rank (the baseline every peer system uses). Both
 share the lifecycle below, the membership arithmetic of ``refit.membership``, the
 in-worker watchdog, the verification of what arrived, and the recovery.
@@ -20,16 +20,16 @@ excluded: the sync then fails with ``NoAbsentShard`` instead of hanging.
 """
 
 from refit.membership import NoSurvivingShards
-from refit.sync.errors import NoAbsentShard, RefitVerificationError, RefitWorkerError
-from refit.sync.result import SyncEvent, SyncResult
-from refit.sync.settle import _settle_before_propagating  # noqa: F401 - the seed's name, for tests
-from refit.sync.synchronizer import (
+from refit.control.errors import NoAbsentShard, RefitVerificationError, RefitWorkerError
+from refit.control.result import SyncEvent, SyncResult
+from refit.control.settle import _settle_before_propagating  # noqa: F401 - the seed's name, for tests
+from refit.control.synchronizer import (
     CollectiveWeightSynchronizer,
     ReshardWeightSynchronizer,
     WeightSynchronizer,
     as_worker,
 )
-from refit.sync.verify import verify_checksums
+from refit.control.verify import verify_checksums
 
 __all__ = [
     "CollectiveWeightSynchronizer",

@@ -1,0 +1,5 @@
+import sys
+
+from refit.cli.main import main
+
+sys.exit(main())

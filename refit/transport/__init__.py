@@ -1,0 +1,1 @@
+"""Executors that move a rank's plan over a communicator, and the single-tensor entry points."""
