@@ -23,17 +23,19 @@ from __future__ import annotations
 import ctypes
 import logging
 import pickle
-import socket
 import sys
 import threading
 import time
 import types
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from refit.comm import nccl
+from refit.comm.base import Communicator, GroupAborted, free_port
 from refit.errors import RefitError, TransportError
 
 log = logging.getLogger(__name__)
@@ -86,31 +88,6 @@ def _pickle_vllm_unique_id(unique_id_bytes: bytes) -> bytes:
                 del module.ncclUniqueId
             for n in reversed(added):
                 sys.modules.pop(n, None)
-
-
-class GroupAborted(TransportError):
-    """The communicator was aborted while this rank waited on it."""
-
-
-class Communicator(Protocol):
-    """What the transport needs from a process group. Peers are ranks of this group."""
-
-    rank: int
-    world_size: int
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Any: ...
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Any: ...
-    def wait(self, work: Any) -> None: ...
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
-    def barrier(self) -> None: ...
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the caller races others for it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _wait_work(work: Any, aborted: threading.Event, deadline: float | None, what: str) -> None:
@@ -237,9 +214,6 @@ class StatelessProcessGroup:
         Init never blocks past ``timeout_s`` (default ``init_timeout_s``): a rank that never
         arrives makes every other rank raise, naming the missing ranks.
         """
-        import torch
-
-        from refit.comm import nccl
         if peer not in PEERS:
             raise RefitError(f"init_nccl_communicator: peer must be one of {PEERS}, got {peer!r}")
         if self._aborted.is_set():
@@ -331,6 +305,16 @@ class StatelessProcessGroup:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    @property
+    def abort_event(self) -> threading.Event:
+        """Set by ``abort()``: a thread polling work of this group watches it to give up at once."""
+        return self._aborted
+
+    @property
+    def deadline(self) -> float | None:
+        """When every wait on this group gives up (``time.monotonic()``), as armed by ``set_deadline``."""
+        return self._deadline
+
     def _check(self, what: str) -> None:
         if self._aborted.is_set():
             raise GroupAborted(f"{what} on an aborted communicator (rank {self.rank})")
@@ -376,14 +360,9 @@ class StatelessProcessGroup:
 
     # -- tensors ------------------------------------------------------------------------
     def _stream(self, stream):
-        import torch
-
         return stream if stream is not None else torch.cuda.current_stream(self.device)
 
     def _nccl_p2p(self, comm, recvs, sends, what: str, stream=None):
-        import torch
-
-        from refit.comm import nccl
         s = self._stream(stream)
         comm.group([(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in recvs],
                    [(t.data_ptr(), t.numel() * t.element_size(), p) for t, p in sends],
@@ -446,9 +425,6 @@ class StatelessProcessGroup:
         """Open NCCL's p2p connections to ``peers`` now, in one group (every rank of a plan calls
         it with its peers, a symmetric set). NCCL otherwise connects inside the first group that
         names a peer, a pairwise rendezvous whose order would then depend on each rank's windows."""
-        import torch
-
-        from refit.comm import nccl
         comm = self._nccl
         if comm is None:
             return
@@ -486,7 +462,6 @@ class StatelessProcessGroup:
             return
         if self._pg is None and self._nccl is not None and not self._aborted.is_set():
             # a CPU tensor on an NCCL-only group: bounce it through the group's device
-            from refit.comm import nccl
             dev_t = tensor.contiguous().to(self.device)
             s = self._stream(stream)
             self._nccl.broadcast(dev_t.data_ptr(), dev_t.numel() * dev_t.element_size(), src, s.cuda_stream,
@@ -505,7 +480,7 @@ class StatelessProcessGroup:
         self.all_gather_object(None)
 
     # -- split children -----------------------------------------------------------------------
-    def split(self, color: int | None, key: int | None = None) -> "StatelessProcessGroup | None":
+    def split(self, color: int | None, key: int | None = None) -> StatelessProcessGroup | None:
         """A child group of the ranks that pass the same ``color`` (ordered by ``key``, then rank).
 
         Every rank of this group calls it; a rank passing ``color=None`` joins no child and
@@ -532,8 +507,9 @@ class StatelessProcessGroup:
             child._deadline = self._deadline
         if self._nccl is not None:
             deadline = time.monotonic() + self.init_timeout_s
+            aborted = child.abort_event if child is not None else threading.Event()
             sub = self._nccl.split(color, members.index(self.rank) if child is not None else 0,
-                                   deadline=deadline, aborted=child._aborted if child is not None else threading.Event())
+                                   deadline=deadline, aborted=aborted)
             if child is not None:
                 sub.rank, sub.world_size = child.rank, child.world_size
                 child._nccl, child.device = sub, self.device
@@ -609,6 +585,14 @@ class TorchGroupComm:
     def set_deadline(self, deadline: float | None) -> None:
         self._deadline = deadline
 
+    @property
+    def abort_event(self) -> threading.Event:
+        return self._aborted
+
+    @property
+    def deadline(self) -> float | None:
+        return self._deadline
+
     def isend(self, tensor, peer, tag=0):
         return dist.isend(tensor, dst=dist.get_global_rank(self.group, peer), group=self.group, tag=tag)
 
@@ -623,8 +607,6 @@ class TorchGroupComm:
             return []
         if not self.stream_ordered:
             return dist.batch_isend_irecv(ops)
-        import torch
-
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             works = dist.batch_isend_irecv(ops)
             for w in works:
@@ -676,3 +658,9 @@ def ranks_in_group(comm: Communicator, ranks: Sequence[int], *, param: str) -> N
     bad = sorted(r for r in ranks if not 0 <= r < comm.world_size)
     if bad:
         raise RefitError(f"{param}: rank(s) {bad} outside the process group of world size {comm.world_size}")
+
+
+__all__ = [
+    "PEERS", "Communicator", "GroupAborted", "StatelessProcessGroup", "TorchGroupComm", "as_communicator",
+    "free_port", "ranks_in_group",
+]

@@ -23,10 +23,8 @@ import glob
 import os
 import sys
 import threading
-import time
-from typing import Callable
 
-from refit.comm.group import GroupAborted
+from refit.comm.base import NcclAborted, NcclTimeout, poll_until
 from refit.errors import TransportError
 
 NCCL_SUCCESS = 0
@@ -52,14 +50,6 @@ _RESULTS = {
 
 class NcclError(TransportError):
     """An NCCL call failed (the message carries NCCL's own error string)."""
-
-
-class NcclAborted(GroupAborted):
-    """The communicator was aborted while this thread waited on it."""
-
-
-class NcclTimeout(GroupAborted):
-    """An NCCL operation did not finish before its deadline (the refit deadline releases it)."""
 
 
 class UniqueId(ctypes.Structure):
@@ -212,30 +202,6 @@ def _uid_from_bytes(raw: bytes) -> UniqueId:
     return uid
 
 
-def poll_until(done: Callable[[], bool], *, deadline: float | None, aborted: threading.Event,
-               what: str) -> None:
-    """Spin on ``done()`` briefly, then poll every 0.2 ms at most.
-
-    Raises ``NcclAborted`` as soon as ``aborted`` is set and ``NcclTimeout`` at ``deadline``
-    (a ``time.monotonic()`` value).
-    """
-    spins = 0
-    sleep = 0.0
-    while True:
-        if aborted.is_set():
-            raise NcclAborted(f"{what}: the communicator was aborted")
-        if done():
-            return
-        if deadline is not None and time.monotonic() >= deadline:
-            raise NcclTimeout(f"{what}: did not finish before the deadline")
-        spins += 1
-        if spins < 2000:
-            time.sleep(0)
-        else:
-            sleep = min(5e-5 if sleep == 0 else sleep * 1.5, 2e-4)  # <= 0.2 ms late on a long wait
-            time.sleep(sleep)
-
-
 class NcclComm:
     """One non-blocking NCCL communicator: thread-safe calls, polling with a deadline, abort."""
 
@@ -254,7 +220,7 @@ class NcclComm:
     @classmethod
     def init_rank(cls, unique_id: bytes, rank: int, world_size: int, device: int, *,
                   deadline: float | None, aborted: threading.Event, lib: NcclLibrary | None = None
-                  ) -> "NcclComm":
+                  ) -> NcclComm:
         """``ncclCommInitRankConfig`` without blocking; raises ``NcclTimeout`` at the deadline."""
         import torch
 
@@ -276,7 +242,7 @@ class NcclComm:
         return comm
 
     def split(self, color: int | None, key: int, *, deadline: float | None, aborted: threading.Event,
-              share: bool = True) -> "NcclComm | None":
+              share: bool = True) -> NcclComm | None:
         """``ncclCommSplit``: every rank of this communicator calls it; ``color=None`` opts out.
 
         ``share=True`` sets ``splitShare``: the child shares the parent's resources (and its
