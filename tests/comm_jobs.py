@@ -1,7 +1,7 @@
 """Functions run on every rank of a fleet by the communicator and transport tests.
 
 Device-agnostic: the same jobs run over gloo on CPU (``refit.testing.launch.LocalFleet``) and
-over NCCL on GPUs (``refit.cli.bench_gpu.DeviceFleet``), so the streamed transport is
+over NCCL on GPUs (``refit.testing.launch.DeviceFleet``), so the streamed transport is
 checked with the same plans on both.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from refit import Replicate, Shard
 from refit.plan.planner import build_rank_plan, merge_rosters
-from refit.transport.rounds import PlanExecutor
+from refit.transport.factory import make_executor
 
 from layouts import local_slice, rosters_for
 
@@ -84,15 +84,18 @@ def reshard_model(group, cfg: dict) -> dict:
                     dst[name] = torch.empty(probe.shape, dtype=getattr(torch, ddt), device=device)
     out = {"rank": group.rank, "ok": [], "stats": [], "rounds": plan.num_rounds,
            "sends": len(plan.sends), "recvs": len(plan.recvs)}
-    kwargs = {k: cfg[k] for k in ("pipeline", "staging_budget_bytes", "group_bytes", "verify") if k in cfg}
+    options = {k: cfg[k] for k in ("staging_budget_bytes", "group_bytes") if k in cfg}
+    run_kwargs = {"verify": cfg.get("verify", False)}
     corrupt_at = cfg.get("corrupt")  # (sender rank, peer, bucket index)
 
-    def corrupt(bucket, buf):
-        if corrupt_at and (group.rank, bucket.peer, bucket.index) == tuple(corrupt_at) and buf.numel():
+    def corrupt(peer, index, buf):
+        if corrupt_at and (group.rank, peer, index) == tuple(corrupt_at) and buf.numel():
             buf[0:1].add_(1)
 
     if corrupt_at:
-        kwargs["corrupt"] = corrupt
+        run_kwargs["corrupt"] = corrupt
+    # one executor for every iteration: it is made with the plan and reused, as in a refit loop
+    executor = make_executor(plan, group, transport=cfg.get("pipeline", "auto"), device=device, **options)
     for it in range(cfg.get("iters", 3)):
         expect = {}
         for name, (shape, sm, sp, sdt, dsts) in meta.items():
@@ -105,7 +108,7 @@ def reshard_model(group, cfg: dict) -> dict:
                     expect[name] = want
         for t in dst.values():
             t.fill_(float("nan"))
-        stats = PlanExecutor(plan, group, **kwargs).run(src, dst)
+        stats = executor.run(src, dst, **run_kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         out["ok"].append(all(torch.equal(dst[n].cpu(), expect[n]) for n in expect))
@@ -116,6 +119,7 @@ def reshard_model(group, cfg: dict) -> dict:
             "received": stats.bytes_received, "sums_sent": dict(stats.checksums_sent),
             "sums_received": dict(stats.checksums_received),
         })
+    executor.close()
     return out
 
 

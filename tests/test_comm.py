@@ -187,31 +187,3 @@ def test_gpu_benchmark_flow_runs_on_cpu():
     assert s["hygiene_fp32_src"]["capacity"] <= 1 << 20
     assert r1["fused_params"] < r1["tensors"]
     bench_gpu.print_table(s)
-
-
-def test_direct_ptr_agrees_with_direct_view():
-    """The transport's raw NCCL path computes addresses arithmetically; they must be the views'."""
-    import random
-
-    from refit.layout import Box
-    from refit.plan.planner import Bucket, Op
-    from refit.transport.streamed import direct_ptr, direct_view
-
-    rng = random.Random(3)
-    for _ in range(500):
-        nd = rng.randint(1, 3)
-        shape = [rng.randint(1, 5) for _ in range(nd)]
-        base = torch.empty([s * 2 for s in shape], dtype=torch.float32)
-        t = base[tuple(slice(0, s) for s in shape)] if rng.random() < 0.5 else torch.empty(shape)
-        start = [rng.randint(0, s - 1) for s in shape]
-        size = [rng.randint(1, s - a) for s, a in zip(shape, start)]
-        box = Box(tuple(start), tuple(size), tuple(start), tuple(start))
-        dt = rng.choice(["float32", "bfloat16"])
-        op = Op(1, "x", 0, 1, box, dt, dt, dt)
-        b = Bucket(1, 0, (op,), (0,), op.nbytes)
-        for side in ("src", "dst"):
-            v = direct_view(b, {"x": t}, side)
-            p = direct_ptr(b, {"x": t}, side)
-            assert (v is None) == (p is None)
-            if v is not None:
-                assert v.data_ptr() == p

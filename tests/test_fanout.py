@@ -130,7 +130,7 @@ def _full(shape, seed):
 
 def fanout_job(group, params, seed, plan_kwargs):
     """Every rank: build its fan-out plan from the shared params, run it, check each element."""
-    from refit.transport.fanout import execute_fanout_plan
+    from refit.transport.factory import make_executor
 
     index = merge_rosters(rosters_for(params, group.world_size), group.world_size)
     plan = build_rank_plan(index, group.rank, fanout=True, **plan_kwargs)
@@ -145,10 +145,12 @@ def fanout_job(group, params, seed, plan_kwargs):
             if w is not None:
                 want[name] = w
                 dst[name] = torch.full(w.shape, float("nan"), dtype=w.dtype)
-    stats = execute_fanout_plan(plan, group, src, dst, depth=2)
+    with make_executor(plan, group, depth=2) as executor:
+        stats = executor.run(src, dst)
+        gather = executor.last_gather
     ok = {name: bool(torch.equal(dst[name], want[name])) for name in want}
-    return {"ok": ok, "gather_received": stats.gather.bytes_received, "gather_sent": stats.gather.bytes_sent,
-            "received": stats.main.bytes_received, "sent": stats.main.bytes_sent}
+    return {"ok": ok, "gather_received": gather.bytes_received, "gather_sent": gather.bytes_sent,
+            "received": stats.bytes_received - gather.bytes_received, "sent": stats.bytes_sent - gather.bytes_sent}
 
 
 def _engine_params():

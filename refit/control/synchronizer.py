@@ -154,6 +154,8 @@ class _SynchronizerBase:
         self._steps = 0
         self._abandoned: list[Any] = []  # calls given up on; read once they end, so no error goes unseen
         self._rec: Recorder | None = None  # the sync in progress, if any
+        self._devices: dict[int, tuple[Any, dict]] = {}  # id(handle) -> (handle, where its tensors live)
+        self._bucket_params: dict[int, dict] = {}  # rank -> params of each bucket it sends / receives
 
     @classmethod
     def from_fleet(cls, fleet: Any, **kwargs: Any):
@@ -165,6 +167,20 @@ class _SynchronizerBase:
     def membership(self) -> RefitMembership | None:
         """What the live communicator was built over; None before the first build."""
         return self._built
+
+    @property
+    def epoch(self) -> int:
+        """The build the live communicator belongs to; every ``refit_*`` call of a transfer names it."""
+        return self._epoch
+
+    @property
+    def workers(self) -> dict[int, Any]:
+        """The live build's worker handles by communicator rank, trainers first.
+
+        For tools that drive the same plan in the same workers without the control plane
+        around it: ``refit bench --path sync`` times the bare transport this way.
+        """
+        return {m.rank: m.worker for m in self._members}
 
     def _desired(self, absent: Sequence[int]) -> RefitMembership:
         mixed = len(set(self.shard_sizes)) > 1
@@ -338,8 +354,12 @@ class _SynchronizerBase:
             raise type(e)(f"{e} [ranks: {legend}]") from None
         self._check_coverage(index, members)
         shared = self._share(index)
-        self._round("prepare", self._call_all(members, "refit_prepare", shared, epoch=epoch, mode=self.mode,
-                                               bucket_bytes=self.bucket_bytes), timeout)
+        prepared = self._round("prepare", self._call_all(members, "refit_prepare", shared, epoch=epoch, mode=self.mode,
+                                                          bucket_bytes=self.bucket_bytes,
+                                                          transport=self.transport or "auto"), timeout)
+        # what each bucket carries only changes with the plan: kept for the verification reports
+        self._bucket_params = {m.rank: {"send_params": prepared[m]["send_params"],
+                                        "recv_params": prepared[m]["recv_params"]} for m in members}
         if self.transport == "nixl":
             # every rank registers its buffers for the new plan; the controller relays the
             # roster (agent metadata + receive descriptors): new peers load point to point
@@ -354,7 +374,12 @@ class _SynchronizerBase:
         """The backend of this build; with NIXL the communicator only carries control (gloo)."""
         if self.transport == "nixl" or self.backend == "gloo":
             return "gloo"
-        devices = self._round("devices", self._call_all(members, "refit_device"), timeout)
+        # a worker's device does not change while its process lives: ask each worker once
+        unknown = [m for m in members if id(m.worker) not in self._devices]
+        if unknown:
+            for m, d in self._round("devices", self._call_all(unknown, "refit_device"), timeout).items():
+                self._devices[id(m.worker)] = (m.worker, d)  # the handle is held: its id stays its own
+        devices = {m: self._devices[id(m.worker)][1] for m in members}
         kinds: dict[str, list[str]] = {}
         for m in members:
             kinds.setdefault(devices[m]["type"], []).append(f"{m.label} (rank {m.rank})")
@@ -548,7 +573,7 @@ class _SynchronizerBase:
 
     def _verify(self, reports: dict[_Member, dict]) -> None:
         labels = {m.rank: (m.label, m.shard) for m in self._members}
-        verify_checksums({m.rank: r for m, r in reports.items()}, labels)
+        verify_checksums({m.rank: {**r, **self._bucket_params[m.rank]} for m, r in reports.items()}, labels)
 
     # -- teardown -------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from refit.control.errors import RefitVerificationError
-from refit.runtime.endpoint import BROADCAST
+from refit.transport.broadcast import BROADCAST
 
 __all__ = ["verify_checksums"]
 

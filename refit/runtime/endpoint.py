@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -34,15 +34,15 @@ from refit.errors import LayoutError, PlanError, RefitError, TransportError
 from refit.layout import (
     DTensorRef,
     dtype_name,
-    intersect_regions,
     region_shape,
 )
-from refit.plan.planner import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout, source_shards
-from refit.transport.rounds import PlanExecutor, TransferStats, checksum
+from refit.plan.planner import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout
+from refit.transport.base import Executor, TransferStats
+from refit.transport.broadcast import BROADCAST, BroadcastPlan
+from refit.transport.factory import make_executor
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
 __all__ = [
-    "BROADCAST",
     "ConnectSpec",
     "EngineEndpoint",
     "LocalShard",
@@ -56,7 +56,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-BROADCAST = -1  # the "peer" of a bucket that the collective path sends to every rank at once
 MODES = ("reshard", "broadcast")
 
 
@@ -125,85 +124,6 @@ class ConnectSpec:
     backend: str = "gloo"
 
 
-@dataclass(frozen=True)
-class _BroadcastItem:
-    """One broadcast of the collective path: one source shard of one param, from its root."""
-
-    index: int
-    name: str
-    root: int
-    region: tuple
-    shape: tuple[int, ...]
-    dtype: str
-    dst_region: tuple | None  # this rank's part, when it is a destination of the param
-
-
-def broadcast_schedule(index: ParamIndex, rank: int) -> list[_BroadcastItem]:
-    """Every rank's copy of one canonical schedule: params by name, source shards in mesh order."""
-    items: list[_BroadcastItem] = []
-    for name in sorted(index.specs):
-        spec = index.specs[name]
-        dst_region = None
-        for lay in spec.dsts:
-            if lay.coords(rank) is not None:
-                dst_region = lay.region(spec.shape, rank)
-        for root, region in source_shards(spec):
-            shape = region_shape(region)
-            if int(np.prod(shape)) == 0:
-                continue
-            items.append(_BroadcastItem(len(items), name, root, region, shape, spec.src.dtype, dst_region))
-    return items
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def run_broadcasts(schedule: Sequence[_BroadcastItem], comm, src: Mapping[str, torch.Tensor],
-                   dst: Mapping[str, torch.Tensor], *, verify: bool,
-                   corrupt: Callable[[int, int, torch.Tensor], None] | None = None) -> TransferStats:
-    """The collective baseline: every source shard is broadcast to every rank, which keeps its part."""
-    stats = TransferStats()
-    t0 = time.perf_counter()
-    rank = comm.rank
-    for item in schedule:
-        dtype = getattr(torch, item.dtype)
-        if rank == item.root:
-            buf = src[item.name].contiguous()
-            if corrupt is not None:
-                buf = buf.clone()
-        else:
-            buf = torch.empty(item.shape, dtype=dtype, device=_device_of(src, dst))
-        raw = _bytes_of(buf)
-        if rank == item.root:
-            if verify:
-                stats.checksums_sent[(BROADCAST, item.index)] = checksum(raw)
-            if corrupt is not None:
-                corrupt(BROADCAST, item.index, raw)
-        comm.broadcast(buf, item.root)
-        if rank == item.root:
-            stats.bytes_sent += raw.numel()
-            stats.buckets_sent += 1
-        else:
-            if verify:
-                stats.checksums_received[(item.root, item.index)] = checksum(raw)
-            stats.bytes_received += raw.numel()
-            stats.buckets_received += 1
-        if item.dst_region is not None:
-            out = dst[item.name]
-            for box in intersect_regions(item.region, item.dst_region):
-                out[box.dst_slices()].copy_(buf[box.src_slices()])
-    stats.seconds = time.perf_counter() - t0
-    return stats
-
-
-def _device_of(*maps: Mapping[str, torch.Tensor]) -> torch.device:
-    for m in maps:
-        for t in m.values():
-            return t.device
-    return torch.device("cpu")
-
-
 class _OneShotCorruption:
     """Fault injection: flip one byte of the first matching bucket this rank sends."""
 
@@ -230,12 +150,11 @@ class _State:
     group: StatelessProcessGroup | None = None
     spec: ConnectSpec | None = None
     epoch: int = -1
-    layouts: dict[str, tuple] = field(default_factory=dict)  # name -> (shape, dtype, TensorLayout)
+    layouts: dict[str, tuple] = field(default_factory=dict)  # name -> (local shape, dtype), checked at connect
+    shards: dict[str, LocalShard] = field(default_factory=dict)  # what refit_connect saw, for refit_prepare
     mode: str = "reshard"
-    plan: Any = None
-    schedule: list = field(default_factory=list)
-    send_params: dict = field(default_factory=dict)
-    recv_params: dict = field(default_factory=dict)
+    executor: Executor | None = None  # made with the plan, reused every transfer of this build
+    bound: dict[str, int] = field(default_factory=dict)  # id() of each local tensor the executor is bound to
     plans: PlanCache = field(default_factory=lambda: PlanCache(max_entries=4))
     fault: _OneShotCorruption | None = None
     loaded_epoch: int = -1
@@ -269,29 +188,48 @@ class _RefitEndpoint:
         raise NotImplementedError
 
     def _refit_local(self) -> dict[str, torch.Tensor]:
-        """This rank's local tensors, checked against the layouts reported at connect time."""
+        """This rank's local tensors for a transfer.
+
+        The executor is bound to the tensors it was prepared with, so a transfer only
+        checks that it is handed the same tensor objects. A parameter replaced since (a
+        trainer may swap its tensors between steps) is checked against the layout reported
+        at connect time, and the executor rebinds to it.
+        """
         st = self._refit_state()
-        out = {}
         shards = self._refit_tensors()
-        missing = sorted(set(st.layouts) - set(shards))
+        out = {}
+        for name in st.layouts:
+            value = shards.get(name)
+            out[name] = None if value is None else as_local_shard(name, value).tensor
+        if {n: id(t) for n, t in out.items()} != st.bound:
+            self._refit_check_local(out)
+            st.bound = {n: id(t) for n, t in out.items()}
+        return out
+
+    def _refit_check_local(self, local: Mapping[str, torch.Tensor | None]) -> None:
+        st = self._refit_state()
+        missing = sorted(n for n, t in local.items() if t is None)
         if missing:
             raise PlanError(f"{self._refit_label()}: param(s) {missing} were reported at connect time but are gone; "
                             "layouts changed, rebuild the communicator")
-        for name, (shape, dt, _) in st.layouts.items():
-            t = as_local_shard(name, shards[name]).tensor
+        for name, (shape, dt) in st.layouts.items():
+            t = local[name]
             if dtype_name(t.dtype) != dt:
                 raise PlanError(f"{self._refit_label()}: {name} changed dtype from {dt} to {dtype_name(t.dtype)} "
                                 "since the plan was built; rebuild the communicator")
             if tuple(t.shape) != shape:
                 raise PlanError(f"{self._refit_label()}: {name} changed local shape from {list(shape)} to "
                                 f"{list(t.shape)} since the plan was built; rebuild the communicator")
-            out[name] = t
-        return out
+
+    def _refit_sides(self, local: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        return (local, {}) if self._refit_role == "src" else ({}, local)
 
     def _refit_drop_group(self, *, collect: bool = False) -> None:
         st = self._refit_state()
         group, st.group = st.group, None
-        st.plan, st.schedule = None, []
+        executor, st.executor, st.bound = st.executor, None, {}
+        if executor is not None:
+            executor.close()
         if group is not None:
             group.abort()
         del group
@@ -321,14 +259,15 @@ class _RefitEndpoint:
             out.update(index=index, uuid=str(torch.cuda.get_device_properties(index).uuid))
         return out
 
-    def _refit_tensor_device(self) -> torch.device:
+    def _refit_tensor_device(self, shards: Mapping[str, LocalShard] | None = None) -> torch.device:
         """The one device of this rank's tensors (the host when it has none)."""
-        tensors = [as_local_shard(n, v).tensor for n, v in self._refit_tensors().items()]
-        devices = sorted({str(t.device) for t in tensors})
+        if shards is None:
+            shards = {n: as_local_shard(n, v) for n, v in self._refit_tensors().items()}
+        devices = sorted({str(s.tensor.device) for s in shards.values()})
         if len(devices) > 1:
             raise LayoutError(f"{self._refit_label()}: tensors on several devices {devices}; one rank moves "
                               "tensors of one device")
-        return tensors[0].device if tensors else torch.device("cpu")
+        return next(iter(shards.values())).tensor.device if shards else torch.device("cpu")
 
     def refit_rendezvous(self) -> tuple[str, int]:
         """Address and a free port for the store this rank (rank 0) will host."""
@@ -351,11 +290,14 @@ class _RefitEndpoint:
         st = self._refit_state()
         with st.lock:
             self._refit_drop_group()
-            st.spec, st.epoch, st.layouts = spec, spec.epoch, {}
+            st.spec, st.epoch, st.layouts, st.shards = spec, spec.epoch, {}, {}
             try:
                 if spec.rank != 0:
                     _wait_for_listener(spec.address, spec.port, time.monotonic() + spec.timeout_s)
-                device = self._refit_tensor_device() if spec.backend == "nccl" else None
+                # the actor's tensors are read once per build: the roster, the device and the
+                # executor's binding all come from this one call
+                shards = {n: as_local_shard(n, v) for n, v in self._refit_tensors().items()}
+                device = self._refit_tensor_device(shards) if spec.backend == "nccl" else None
                 st.group = StatelessProcessGroup(
                     spec.address, spec.port, spec.rank, spec.world_size,
                     backend=spec.backend, timeout_s=spec.timeout_s, name=f"refit/{spec.epoch}", device=device,
@@ -364,16 +306,15 @@ class _RefitEndpoint:
                 raise TransportError(f"{self._refit_label()}: could not join the refit communicator "
                                      f"(epoch {spec.epoch}, world {spec.world_size}): {e}") from None
             try:
-                return self._refit_roster(spec)
+                return self._refit_roster(spec, shards)
             except Exception:
                 self._refit_drop_group()
                 raise
 
-    def _refit_roster(self, spec: ConnectSpec) -> list[RosterEntry]:
+    def _refit_roster(self, spec: ConnectSpec, shards: Mapping[str, LocalShard]) -> list[RosterEntry]:
         st = self._refit_state()
         entries = []
-        for name, value in sorted(self._refit_tensors().items()):
-            shard = as_local_shard(name, value)
+        for name, shard in sorted(shards.items()):
             local_mesh = np.asarray(shard.mesh)
             if spec.mesh_size is not None:
                 bad = sorted(set(int(r) for r in local_mesh.reshape(-1)) - set(range(spec.mesh_size)))
@@ -395,62 +336,63 @@ class _RefitEndpoint:
                     f"{list(layout.placements)} on mesh {local_mesh.tolist()} gives this rank {list(want)} of "
                     f"global {list(shard.global_shape)}"
                 )
-            st.layouts[name] = (tuple(shard.tensor.shape), dt, layout)
+            st.layouts[name] = (tuple(shard.tensor.shape), dt)
             entries.append(RosterEntry.make(name, shard.global_shape, dt, mesh, shard.placements, self._refit_role))
+        st.shards = dict(shards)
         return entries
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-        """Build this rank's own plan (reshard) or schedule (broadcast) from the merged rosters."""
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto") -> dict:
+        """Build this rank's plan from the merged rosters, and its executor, bound to its tensors.
+
+        The executor lives until the next build and runs every transfer of this one, so
+        its staging and its views of the tensors are made once. What each bucket carries
+        (param names, for verification reports) is returned here, once per build.
+        """
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_prepare")
             if mode not in MODES:
                 raise RefitError(f"refit_prepare: mode must be one of {MODES}, got {mode!r}")
+            if transport == "nixl" and mode != "reshard":
+                raise RefitError("refit_prepare: transport='nixl' moves reshard plans only")
             t0 = time.perf_counter()
             rank = st.spec.rank
             st.mode = mode
-            st.send_params, st.recv_params = {}, {}
+            if st.executor is not None:
+                st.executor.close()
+                st.executor = None
+            local = {n: shard.tensor for n, shard in st.shards.items()}
+            device = self._refit_tensor_device(st.shards)
             if mode == "reshard":
-                st.plan = st.plans.get(index, rank, bucket_bytes=bucket_bytes)
-                st.schedule = []
-                for b in st.plan.sends:
-                    st.send_params[(b.peer, b.index)] = sorted({op.name for op in b.ops})
-                for b in st.plan.recvs:
-                    st.recv_params[(b.peer, b.index)] = sorted({op.name for op in b.ops})
-                send, recv = st.plan.bytes_sent, st.plan.bytes_received
+                plan = st.plans.get(index, rank, bucket_bytes=bucket_bytes)
+                send_params = {(b.peer, b.index): sorted({op.name for op in b.ops}) for b in plan.sends}
+                recv_params = {(b.peer, b.index): sorted({op.name for op in b.ops}) for b in plan.recvs}
             else:
-                st.plan = None
-                st.schedule = broadcast_schedule(index, rank)
-                for it in st.schedule:
-                    key = (BROADCAST, it.index) if it.root == rank else (it.root, it.index)
-                    (st.send_params if it.root == rank else st.recv_params)[key] = [it.name]
-                send = sum(int(np.prod(it.shape)) * getattr(torch, it.dtype).itemsize
-                           for it in st.schedule if it.root == rank)
-                recv = sum(int(np.prod(it.shape)) * getattr(torch, it.dtype).itemsize
-                           for it in st.schedule if it.root != rank)
-            return {"rank": rank, "bytes_to_send": send, "bytes_to_receive": recv,
-                    "plan_s": time.perf_counter() - t0}
+                plan = BroadcastPlan.build(index, rank)
+                send_params, recv_params = plan.params_by_bucket()
+            if transport == "nixl" and st.nixl is None:
+                from refit.transport.nixl import NixlTransport
+
+                st.nixl = NixlTransport(rank, device=device, timeout_s=None)  # the refit watchdog hands it the deadline
+            executor = make_executor(plan, st.group, transport=transport, device=device, nixl=st.nixl)
+            executor.prepare(*self._refit_sides(local))
+            st.executor, st.bound = executor, {n: id(t) for n, t in local.items()}
+            return {"rank": rank, "bytes_to_send": plan.bytes_sent, "bytes_to_receive": plan.bytes_received,
+                    "plan_s": time.perf_counter() - t0, "send_params": send_params, "recv_params": recv_params}
 
     def refit_nixl_entry(self, epoch: int) -> Any:
-        """``transport="nixl"``: register this rank's buffers for its plan; return its roster entry.
+        """``transport="nixl"``: this rank's NIXL roster entry for the buffers its executor registered.
 
         The NIXL agent lives as long as the endpoint (its handshake is cached); the
         controller relays every rank's entry back through ``refit_nixl_membership``.
         """
-        from refit.transport.nixl import NixlTransport
-
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_nixl_entry")
-            if st.plan is None:
-                raise RefitError(f"refit_nixl_entry: {self._refit_label()} has no reshard plan (mode {st.mode!r})")
-            local = self._refit_local()
-            if st.nixl is None:
-                st.nixl = NixlTransport(st.spec.rank, device=next((t.device for t in local.values()), None),
-                                        timeout_s=None)  # the refit watchdog hands it the deadline
-            st.nixl.prepare(st.plan, local if self._refit_role == "src" else {},
-                            local if self._refit_role == "dst" else {})
+            if st.nixl is None or st.executor is None:
+                raise RefitError(f"refit_nixl_entry: {self._refit_label()} has no NIXL executor; "
+                                 "refit_prepare(..., transport='nixl') first")
             return st.nixl.local_roster_entry()
 
     def refit_nixl_membership(self, roster: Mapping[int, Any], epoch: int) -> None:
@@ -481,7 +423,6 @@ class _RefitEndpoint:
                     "rank": st.spec.rank, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
                     "local_bytes": stats.local_bytes, "seconds": stats.seconds,
                     "sent": dict(stats.checksums_sent), "received": dict(stats.checksums_received),
-                    "send_params": st.send_params if verify else {}, "recv_params": st.recv_params if verify else {},
                 }
             self._refit_drop_group(collect=True)
             cls, msg = failure
@@ -489,20 +430,15 @@ class _RefitEndpoint:
 
     def _refit_run(self, timeout_s: float | None, verify: bool) -> TransferStats:
         st = self._refit_state()
-        group = st.group
-        nixl = st.nixl if st.mode == "reshard" else None
-        with RefitAbortWatchdog([nixl] if nixl is not None else [group], timeout_s):
+        if st.executor is None:
+            raise RefitError(f"{self._refit_label()}: no plan for epoch {st.epoch}; refit_prepare first")
+        # the NIXL path runs no collective: its transport is what the watchdog aborts
+        abortable = st.nixl if st.executor.transport == "nixl" else st.group
+        with RefitAbortWatchdog([abortable], timeout_s):
             self.on_refit_start()
-            local = self._refit_local()
-            src = local if self._refit_role == "src" else {}
-            dst = local if self._refit_role == "dst" else {}
+            src, dst = self._refit_sides(self._refit_local())
             fault, st.fault = st.fault, None
-            if st.mode == "reshard":
-                corrupt = (lambda b, buf: fault(b.peer, b.index, buf)) if fault else None
-                if nixl is not None:  # one-sided: no collective on this path
-                    return nixl.run(src, dst, verify=verify, corrupt=corrupt)
-                return PlanExecutor(st.plan, group, verify=verify, corrupt=corrupt).run(src, dst)
-            return run_broadcasts(st.schedule, group, src, dst, verify=verify, corrupt=fault)
+            return st.executor.run(src, dst, verify=verify, corrupt=fault)
 
     def refit_commit(self, epoch: int) -> None:
         """The controller verified the transfer of ``epoch``: tell the actor (engines only)."""

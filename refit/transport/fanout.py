@@ -6,62 +6,63 @@ stripe per member from the sources (so the sources send one copy per group, not 
 replica); its ``gather_sends`` / ``gather_recvs`` are the all-gather that completes the
 region on every member, each member sending the stripes it received to the others.
 
-``execute_fanout_plan`` runs both parts with the ordinary transport over the same
-communicator (gloo or NCCL, whatever ``refit.transport.rounds`` drives): the first part as any
-plan, then, after a barrier, the all-gather as a plan of its own whose *source* tensors
-are this rank's destination tensors. The barrier keeps the two parts' messages between
-one pair of ranks from ever being in flight together, so their round tags cannot be
-confused; it costs one store round trip. Every rank of the communicator must call it,
-including ranks with nothing to do.
+``FanoutExecutor`` runs both parts with two inner executors over the same communicator:
+the first part as any plan, then, after a barrier, the all-gather as a plan of its own
+whose *source* tensors are this rank's destination tensors. The barrier keeps the two
+parts' messages between one pair of ranks from ever being in flight together, so their
+round tags cannot be confused; it costs one store round trip. Every rank of the
+communicator must run it, including ranks with nothing to do.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Callable
 
-import torch
-
-from refit.comm.group import Communicator
 from refit.plan.planner import RankPlan
-from refit.transport.rounds import TransferStats, execute_plan
+from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
 
 
-@dataclass
-class FanoutStats:
-    """What one rank moved: from the sources (``main``) and inside its groups (``gather``)."""
+class FanoutExecutor(Executor):
+    """A fan-out plan: the source stripes, a barrier, then the all-gather in each group.
 
-    main: TransferStats
-    gather: TransferStats
-    seconds: float
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.main.bytes_sent + self.gather.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self.main.bytes_received + self.gather.bytes_received
-
-
-def execute_fanout_plan(plan: RankPlan, comm: Communicator, src: Mapping[str, torch.Tensor],
-                        dst: Mapping[str, torch.Tensor], *, barrier: bool = True, **kwargs: Any) -> FanoutStats:
-    """Run a fan-out plan: the source stripes, a barrier, then the all-gather in each group.
-
-    ``kwargs`` go to ``refit.transport.rounds.execute_plan`` for both parts. A plan built
-    without fan-out runs as usual (its all-gather is empty).
+    ``make_part`` builds the executor of each part (the same transport for both).
+    ``last_gather`` holds the all-gather's own stats after each run.
     """
-    t0 = time.perf_counter()
-    main = execute_plan(plan, comm, src, dst, **kwargs)
-    if barrier and plan.fanout:
-        comm.barrier()
-    gather_plan = plan.gather_plan()
-    if gather_plan.sends or gather_plan.recvs:
-        gather = execute_plan(gather_plan, comm, dst, dst, **kwargs)
-    else:
-        gather = TransferStats()
-    return FanoutStats(main, gather, time.perf_counter() - t0)
+
+    transport = "fanout"
+
+    def __init__(self, plan: RankPlan, comm, make_part: Callable[[RankPlan], Executor], *, barrier: bool = True):
+        super().__init__(plan, comm)
+        self.barrier = barrier
+        self.main = make_part(plan)
+        gather_plan = plan.gather_plan()
+        self.gather = make_part(gather_plan) if (gather_plan.sends or gather_plan.recvs) else None
+        self.last_gather = TransferStats()
+
+    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
+        self.main.prepare(src, dst)
+        if self.gather is not None:
+            self.gather.prepare(dst, dst)
+
+    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
+        t0 = time.perf_counter()
+        stats = self.main.run(verify=verify, corrupt=corrupt)
+        if self.barrier and self.plan.fanout:
+            self.comm.barrier()
+        self.last_gather = self.gather.run(verify=verify) if self.gather is not None else TransferStats()
+        g = self.last_gather
+        stats.bytes_sent += g.bytes_sent
+        stats.bytes_received += g.bytes_received
+        stats.buckets_sent += g.buckets_sent
+        stats.buckets_received += g.buckets_received
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _release(self) -> None:
+        self.main.close()
+        if self.gather is not None:
+            self.gather.close()
 
 
-__all__ = ["FanoutStats", "execute_fanout_plan"]
+__all__ = ["FanoutExecutor"]

@@ -60,16 +60,18 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from refit.errors import PlanError, RefitError, TransportError
 from refit.plan.planner import Bucket, RankPlan
-from refit.transport.rounds import TransferStats, checksum, direct_view, pack_bucket, unpack_bucket
+from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
+from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, pack_bucket, unpack_bucket
 from refit.runtime.watchdog import RefitAborted
 
 __all__ = [
+    "NixlExecutor",
     "NixlHandshakeError",
     "NixlRosterEntry",
     "NixlTransport",
@@ -236,11 +238,6 @@ def _device_index(device: torch.device) -> int:
 def _storage_span(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
-
-
-def _checksum(buf: torch.Tensor) -> int:
-    """``refit.transport.rounds.checksum`` of a byte view that may start off a 4-byte boundary."""
-    return checksum(buf if buf.storage_offset() % 4 == 0 else buf.clone())
 
 
 def _align(n: int) -> int:
@@ -611,7 +608,7 @@ class NixlTransport:
     # -- one refit --------------------------------------------------------------------------------
     def run(self, src: Mapping[str, torch.Tensor] | None = None, dst: Mapping[str, torch.Tensor] | None = None,
             *, timeout_s: float | None = None, verify: bool | None = None,
-            corrupt: Callable[[Bucket, torch.Tensor], None] | None = None) -> TransferStats:
+            corrupt: Corruption | None = None) -> TransferStats:
         """One refit of the prepared plan; returns this rank's ``TransferStats``.
 
         Raises ``RefitAborted`` (naming the peer) when a peer stays silent past the
@@ -646,6 +643,7 @@ class NixlTransport:
         if self._deadline is not None:
             deadline = self._deadline if deadline is None else min(deadline, self._deadline)
         stats = TransferStats()
+        ledger = ChecksumLedger() if verify else None
         stats.staging_capacity_bytes = sum(p.staging.numel() for p in [*self._sends.values(), *self._recvs.values()]
                                            if p.staging is not None)
         stats.peak_staging_bytes = stats.staging_capacity_bytes
@@ -661,9 +659,7 @@ class NixlTransport:
                 self._notify(peer, self._msg(b"R", seq, self._local_digest), "'ready'", seq)
             except _PeerFailed as e:
                 failed[peer] = e.why
-        for op in self.plan.local:
-            dst[op.name][op.box.dst_slices()].copy_(src[op.name][op.box.src_slices()])
-            stats.local_bytes += op.nbytes
+        stats.local_bytes = local_copies(self.plan, src, dst)
         # 2. sources: pack (chunk by chunk), post each chunk once its receiver is ready
         to_pack = [(p, c) for p in self._sends.values() for c in p.chunks if p.peer not in failed]
         ready: set[int] = set()
@@ -702,7 +698,7 @@ class NixlTransport:
                         progress += 1
                 if to_pack:
                     pair, chunk = to_pack.pop(0)
-                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, stats, corrupt, temps, verify)))
+                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, ledger, corrupt, temps)))
                     progress += 1
                 for item in list(queued):
                     pair, chunk, event = item
@@ -735,7 +731,7 @@ class NixlTransport:
                             raise NixlHandshakeError(f"{self._where(seq)}: source rank {peer} wrote buckets "
                                                      f"[{lo}, {hi}) of the pair, which this rank does not expect "
                                                      "(again, or at all)")
-                        self._unpack(self._recvs[peer], lo, hi, dst, stats, verify)
+                        self._unpack(self._recvs[peer], lo, hi, dst, stats, ledger)
                         pending.difference_update(range(lo, hi))
                         if not pending:
                             del awaiting[peer]
@@ -774,6 +770,8 @@ class NixlTransport:
                 + ". The other peers' transfers completed.")
         stats.zero_copy_buckets = sum(s.staging is None for p in [*self._sends.values(), *self._recvs.values()]
                                       for s in p.slots)
+        if ledger is not None:
+            stats.checksums_sent, stats.checksums_received = ledger.settle()
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -807,7 +805,7 @@ class NixlTransport:
                 f"{sorted(set(moved))[:8]} are not where they were registered; prepare() with the new tensors, then "
                 "relay local_roster_entry() with update_membership()")
 
-    def _pack_chunk(self, pair: _Pair, chunk: _Chunk, src, stats: TransferStats, corrupt, temps, verify: bool):
+    def _pack_chunk(self, pair: _Pair, chunk: _Chunk, src, ledger: ChecksumLedger | None, corrupt, temps):
         for s in pair.slots[chunk.lo: chunk.hi]:
             b = s.bucket
             if not b.nbytes:
@@ -819,14 +817,14 @@ class NixlTransport:
                 if buf is None:
                     raise PlanError(f"rank {self.rank}: {b.ops[0].name} is no longer contiguous in "
                                     f"{b.ops[0].wire_dtype}; prepare() again with the new tensors")
-            if verify:
-                stats.checksums_sent[(b.peer, b.index)] = _checksum(buf)
+            if ledger is not None:
+                ledger.sent((b.peer, b.index), buf)
             if corrupt is not None:
                 if s.staging is None:  # never corrupt the caller's tensor: write from a copy instead
                     buf = buf.clone()
                     temps.append(self._register(buf))
                     s.temp = buf
-                corrupt(b, buf)
+                corrupt(b.peer, b.index, buf)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
@@ -909,12 +907,13 @@ class NixlTransport:
             raise _PeerFailed(peer, f"WRITE failed: {why}")
         return state
 
-    def _unpack(self, pair: _Pair, lo: int, hi: int, dst, stats: TransferStats, verify: bool) -> None:
+    def _unpack(self, pair: _Pair, lo: int, hi: int, dst, stats: TransferStats,
+                ledger: ChecksumLedger | None) -> None:
         for s in pair.slots[lo: hi]:
             b = s.bucket
-            if verify and b.nbytes:
+            if ledger is not None and b.nbytes:
                 buf = s.view() if s.staging is not None else direct_view(b, dst, "dst")
-                stats.checksums_received[(b.peer, b.index)] = _checksum(buf)
+                ledger.received((b.peer, b.index), buf)
             if s.staging is not None:
                 unpack_bucket(b, s.view(), dst)
             stats.bytes_received += b.nbytes
@@ -947,3 +946,24 @@ class NixlTransport:
 
     def __repr__(self) -> str:
         return f"NixlTransport(rank={self.rank}, agent={self.agent_name!r}, epoch={self.epoch})"
+
+
+class NixlExecutor(Executor):
+    """One plan on a ``NixlTransport``: the transport (its agent and peers) outlives the plan.
+
+    ``prepare`` registers this rank's buffers for the plan; the peers learn of them when
+    the controller relays every rank's ``local_roster_entry()`` through
+    ``update_membership`` (or ``transport.handshake(group)``), before the first ``run``.
+    """
+
+    transport = "nixl"
+
+    def __init__(self, plan: RankPlan, nixl: NixlTransport):
+        super().__init__(plan, None)
+        self.nixl = nixl
+
+    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
+        self.nixl.prepare(self.plan, src, dst)
+
+    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
+        return self.nixl.run(self.src, self.dst, verify=verify, corrupt=corrupt)

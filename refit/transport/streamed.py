@@ -31,52 +31,19 @@ import contextlib
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from refit.comm.nccl import poll_until
 from refit.errors import TransportError
 from refit.plan.planner import Bucket, RankPlan
-from refit.transport.rounds import _op_view, direct_view, single_block
+from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_names
+from refit.transport.buckets import ChecksumLedger, align, direct_view, local_copies, pack_bucket, unpack_bucket
 
 DEFAULT_STAGING_BUDGET = 1 << 30
 DEFAULT_GROUP_BYTES = 1 << 30
-ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _contiguous(shape, strides) -> bool:
-    """torch's rule: every dim of size > 1 has the stride of a C-contiguous layout."""
-    if 0 in shape:
-        return True
-    expected = 1
-    for n, st in zip(reversed(shape), reversed(strides)):
-        if n != 1 and st != expected:
-            return False
-        expected *= n
-    return True
-
-
-def direct_ptr(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) -> int | None:
-    """Device address of the bucket's block in the tensor itself, when it can go on the wire
-    as is (one block, wire dtype, contiguous): arithmetic only, no tensor views."""
-    found = single_block(bucket, tensors)
-    if found is None:
-        return None
-    op, t = found
-    strides = t.stride()
-    if not _contiguous(op.box.shape, strides):
-        return None
-    start = op.box.src_start if side == "src" else op.box.dst_start
-    return t.data_ptr() + t.element_size() * sum(a * st for a, st in zip(start, strides))
 
 
 # -- fences and lanes ----------------------------------------------------------------------
@@ -92,13 +59,12 @@ class Fence:
 
 
 def _host_wait_event(comm, event, what: str) -> None:
-    aborted = getattr(comm, "_aborted", None)
+    """Wait for a CUDA event without ever blocking past the communicator's deadline or abort."""
+    aborted = getattr(comm, "abort_event", None)
     if not isinstance(aborted, threading.Event):
         event.synchronize()
         return
-    from refit.comm.nccl import poll_until
-
-    poll_until(event.query, deadline=getattr(comm, "_deadline", None), aborted=aborted, what=what)
+    poll_until(event.query, deadline=getattr(comm, "deadline", None), aborted=aborted, what=what)
 
 
 _STREAMS: dict[int, tuple] = {}
@@ -128,6 +94,11 @@ class Lanes:
             self.current = torch.cuda.current_stream(device)
         else:
             self.pack = self.comm_s = self.unpack = self.current = None
+
+    def refresh(self) -> None:
+        """Follow the caller's current stream (an executor is reused across refits and streams)."""
+        if self.cuda:
+            self.current = torch.cuda.current_stream(self.device)
 
     def lane(self, name: str):
         return {"pack": self.pack, "comm": self.comm_s, "unpack": self.unpack}[name]
@@ -262,7 +233,7 @@ class StagingArena:
         return last if first - last >= n else None
 
     def alloc(self, nbytes: int, lanes: Lanes) -> tuple[torch.Tensor, _Slot]:
-        n = _align(nbytes)
+        n = align(nbytes)
         if n > self.capacity:
             raise TransportError(f"staging: a {nbytes}-byte bucket does not fit the {self.capacity}-byte arena")
         while True:
@@ -325,18 +296,32 @@ class _Window:
     staging: int = 0
 
 
-class StreamedExecutor:
-    """Runs a ``RankPlan`` with the three-lane pipeline; see the module docstring."""
+@dataclass
+class _Schedule:
+    """How one binding runs: which buckets go direct, what staging they need, the windows."""
 
-    def __init__(self, plan: RankPlan, comm, *, device: torch.device, verify: bool = False,
-                 corrupt: Callable | None = None, staging_budget_bytes: int | None = None,
-                 group_bytes: int | None = None, sync: bool = True, arena: StagingArena | None = None,
-                 timing: bool = False):
-        self.plan = plan
-        self.comm = comm
+    send_views: dict[tuple[int, int], torch.Tensor | None]
+    recv_views: dict[tuple[int, int], torch.Tensor | None]
+    need: int  # the staging one round needs at least
+    total: int  # the staging of the whole plan
+    capacity: int = -1  # the arena capacity the windows were cut for
+    windows: list[_Window] = field(default_factory=list)
+
+
+class StreamedExecutor(Executor):
+    """Runs a ``RankPlan`` with the three-lane pipeline; see the module docstring.
+
+    ``sync=False`` returns once the work is queued (the caller's stream is ordered after
+    it); ``timing=True`` records host marks and CUDA events in ``stats.timing``.
+    """
+
+    transport = "streamed"
+
+    def __init__(self, plan: RankPlan, comm, *, device: torch.device | None = None,
+                 staging_budget_bytes: int | None = None, group_bytes: int | None = None, sync: bool = True,
+                 arena: StagingArena | None = None, timing: bool = False):
+        super().__init__(plan, comm)
         self.device = device
-        self.verify = verify
-        self._corrupt = corrupt
         self.budget = DEFAULT_STAGING_BUDGET if staging_budget_bytes is None else int(staging_budget_bytes)
         self.group_bytes = DEFAULT_GROUP_BYTES if group_bytes is None else int(group_bytes)
         self.sync = sync
@@ -348,18 +333,39 @@ class StreamedExecutor:
             self._send_by_round.setdefault(b.index, []).append(b)
         for b in sorted(plan.recvs, key=lambda b: (b.index, b.peer)):
             self._recv_by_round.setdefault(b.index, []).append(b)
+        self._schedule: _Schedule | None = None
+        self._lanes: Lanes | None = None
 
-    # -- planning the windows -------------------------------------------------------------------
-    def _classify(self, src, dst, raw: bool):
-        """Per bucket: its direct address (``raw``) or view in the tensor itself, or None to stage."""
-        fn = direct_ptr if raw else direct_view
-        send_direct = {}
-        for b in self.plan.sends:
-            send_direct[(b.peer, b.index)] = None if self._corrupt is not None else fn(b, src, "src")
-        recv_direct = {(b.peer, b.index): fn(b, dst, "dst") for b in self.plan.recvs}
-        return send_direct, recv_direct
+    # -- binding -----------------------------------------------------------------------------------
+    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
+        require_names(self.plan.rank, {op.name for b in self.plan.sends for op in b.ops}, src, "src")
+        require_names(self.plan.rank, {op.name for b in self.plan.recvs for op in b.ops}, dst, "dst")
+        device = self.device or device_of(src, dst)
+        self._lanes = Lanes(device, self.comm)
+        self._schedule = self._classify(src, dst, staged_sends=False)
 
-    def _windows(self, send_direct, recv_direct, capacity: int) -> list[_Window]:
+    def _classify(self, src: TensorMap, dst: TensorMap, *, staged_sends: bool) -> _Schedule:
+        """Per bucket: its view in the tensor itself, or None to stage; and the staging that needs."""
+        send_views = {(b.peer, b.index): None if staged_sends else direct_view(b, src, "src") for b in self.plan.sends}
+        recv_views = {(b.peer, b.index): direct_view(b, dst, "dst") for b in self.plan.recvs}
+        need, total = 0, 0
+        for r in range(self.plan.num_rounds):
+            stage = self._round_staging(r, send_views, recv_views)
+            if stage:
+                need = max(need, sum(stage) + max(stage))
+                total += sum(stage)
+        if need > self.budget:
+            raise TransportError(
+                f"rank {self.plan.rank}: one round of this plan stages {need} bytes, more than "
+                f"staging_budget_bytes={self.budget}; raise the budget or lower bucket_bytes")
+        return _Schedule(send_views, recv_views, need, total)
+
+    def _round_staging(self, r: int, send_views, recv_views) -> list[int]:
+        stage = [align(b.nbytes) for b in self._send_by_round.get(r, []) if send_views[(b.peer, b.index)] is None]
+        stage += [align(b.nbytes) for b in self._recv_by_round.get(r, []) if recv_views[(b.peer, b.index)] is None]
+        return stage
+
+    def _windows(self, sched: _Schedule, capacity: int) -> list[_Window]:
         limit = max(capacity // 2, 1)
         windows: list[_Window] = []
         cur = None
@@ -368,8 +374,7 @@ class StreamedExecutor:
             if not sends and not recvs:
                 continue
             nbytes = sum(b.nbytes for b in sends + recvs)
-            stage = [_align(b.nbytes) for b in sends if send_direct[(b.peer, b.index)] is None]
-            stage += [_align(b.nbytes) for b in recvs if recv_direct[(b.peer, b.index)] is None]
+            stage = self._round_staging(r, sched.send_views, sched.recv_views)
             staging = sum(stage) + (max(stage) if stage else 0)
             if cur is not None and (cur.nbytes + nbytes > self.group_bytes or cur.staging + staging > limit):
                 windows.append(cur)
@@ -383,43 +388,34 @@ class StreamedExecutor:
             windows.append(cur)
         return windows
 
-    def _round_need(self, send_direct, recv_direct) -> tuple[int, int]:
-        """(the staging one round needs at least, the staging of the whole plan)."""
-        need, total = 0, 0
-        for r in range(self.plan.num_rounds):
-            stage = [_align(b.nbytes) for b in self._send_by_round.get(r, []) if send_direct[(b.peer, b.index)] is None]
-            stage += [_align(b.nbytes) for b in self._recv_by_round.get(r, []) if recv_direct[(b.peer, b.index)] is None]
-            if stage:
-                need = max(need, sum(stage) + max(stage))
-                total += sum(stage)
-        return need, total
+    def _arena_for(self, sched: _Schedule, lanes: Lanes) -> StagingArena | None:
+        """The staging arena, grown to this plan's need (the windows are re-cut if its size changed)."""
+        if not sched.need:
+            if sched.capacity != 0:
+                sched.windows, sched.capacity = self._windows(sched, 0), 0
+            return None
+        arena = self.arena if self.arena is not None else arena_for(lanes.device, self.budget)
+        arena.ensure(min(self.budget, max(2 * sched.need, sched.total + sched.need)), lanes)
+        if arena.capacity != sched.capacity:
+            sched.windows, sched.capacity = self._windows(sched, arena.capacity), arena.capacity
+        return arena
 
     # -- run -------------------------------------------------------------------------------------
-    def run(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]):
-        from refit.transport.rounds import TransferStats
-
+    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
         stats = TransferStats()
         t0 = time.perf_counter()
-        lanes = Lanes(self.device, self.comm)
+        lanes = self._lanes
+        lanes.refresh()
+        src, dst = self.src, self.dst
+        sched = self._schedule if corrupt is None else self._classify(src, dst, staged_sends=True)
+        ledger = ChecksumLedger() if verify else None
         # raw: hand NCCL addresses and sizes, no tensor views (refit's own NCCL communicator)
         raw = lanes.cuda and getattr(self.comm, "nccl_comm", None) is not None
-        send_direct, recv_direct = self._classify(src, dst, raw)
-        need, total = self._round_need(send_direct, recv_direct)
-        if need > self.budget:
-            raise TransportError(
-                f"rank {self.plan.rank}: one round of this plan stages {need} bytes, more than "
-                f"staging_budget_bytes={self.budget}; raise the budget or lower bucket_bytes")
-        arena = self.arena
-        if need:
-            if arena is None:
-                arena = arena_for(self.device, self.budget)
-            arena.ensure(min(self.budget, max(2 * need, total + need)), lanes)
+        arena = self._arena_for(sched, lanes)
+        if arena is not None:
             arena.reset_peak()
-        capacity = arena.capacity if (need and arena is not None) else 0
-        windows = self._windows(send_direct, recv_direct, capacity)
-        stats.zero_copy_buckets = sum(v is not None for v in send_direct.values())
-        stats.zero_copy_buckets += sum(v is not None for v in recv_direct.values())
-
+        stats.zero_copy_buckets = sum(v is not None for v in sched.send_views.values())
+        stats.zero_copy_buckets += sum(v is not None for v in sched.recv_views.values())
         if raw:
             self.comm.connect_peers(self.plan.peers())
         marks = {}
@@ -429,42 +425,46 @@ class StreamedExecutor:
         stats.timing["setup_s"] = time.perf_counter() - t0
         lanes.begin()
         with lanes.on("unpack"):
-            self._local_copies(src, dst, stats)
+            stats.local_bytes = local_copies(self.plan, src, dst)
         last_comm = last_unpack = None
         host_fences: list[Fence] = []  # gloo: every window's works, waited at the end at the latest
-        for w in windows:
-            per_round, unpacks, send_slots, recv_slots, staged_sends = [], [], [], [], []
+        for w in sched.windows:
+            per_round, unpacks, received, send_slots, recv_slots, staged_sends, direct_sends = [], [], [], [], [], [], []
             for r in w.rounds:
                 recv_ops, send_ops = [], []
                 for b in self._recv_by_round.get(r, []):
-                    view = recv_direct[(b.peer, b.index)]
+                    view = sched.recv_views[(b.peer, b.index)]
                     if view is None:
                         view, slot = arena.alloc(b.nbytes, lanes)
                         recv_slots.append(slot)
                         unpacks.append((b, view))
-                        if raw:
-                            view = view.data_ptr()
-                    recv_ops.append((view, b.nbytes, b.peer) if raw else (view, b.peer))
+                    received.append((b, view))
+                    recv_ops.append((view.data_ptr(), b.nbytes, b.peer) if raw else (view, b.peer))
                     stats.bytes_received += b.nbytes
                     stats.buckets_received += 1
                 for b in self._send_by_round.get(r, []):
-                    view = send_direct[(b.peer, b.index)]
+                    view = sched.send_views[(b.peer, b.index)]
                     if view is None:
                         view, slot = arena.alloc(b.nbytes, lanes)
                         send_slots.append(slot)
                         staged_sends.append((b, view))
-                        if raw:
-                            view = view.data_ptr()
-                    send_ops.append((view, b.nbytes, b.peer) if raw else (view, b.peer))
+                    else:
+                        direct_sends.append((b, view))
+                    send_ops.append((view.data_ptr(), b.nbytes, b.peer) if raw else (view, b.peer))
                     stats.bytes_sent += b.nbytes
                     stats.buckets_sent += 1
                 per_round.append((r, recv_ops, send_ops))
-            if staged_sends:
+            if staged_sends or (ledger is not None and direct_sends):
                 with lanes.on("pack"):
                     for b, view in staged_sends:
-                        self._pack_into(view, b, src)
-                        if self._corrupt is not None:
-                            self._corrupt(b, view)
+                        pack_bucket(b, src, view)
+                        if ledger is not None:
+                            ledger.sent((b.peer, b.index), view)
+                        if corrupt is not None:
+                            corrupt(b.peer, b.index, view)
+                    if ledger is not None:
+                        for b, view in direct_sends:
+                            ledger.sent((b.peer, b.index), view)
                 lanes.wait("comm", lanes.record("pack"))
             works: list[Any] = []
             if stats.groups == 0:
@@ -488,12 +488,14 @@ class StreamedExecutor:
             stats.groups += 1
             for s_ in send_slots:
                 s_.fence = last_comm
-            if unpacks:
+            if unpacks or (ledger is not None and received):
                 lanes.wait("unpack", last_comm)
                 with lanes.on("unpack"):
+                    if ledger is not None:
+                        for b, view in received:
+                            ledger.received((b.peer, b.index), view)
                     for b, view in unpacks:
-                        for op, off in zip(b.ops, b.offsets):
-                            dst[op.name][op.box.dst_slices()].copy_(_op_view(view, op, off))
+                        unpack_bucket(b, view, dst)
                 last_unpack = lanes.record("unpack")
                 for s_ in recv_slots:
                     s_.fence = last_unpack
@@ -504,49 +506,22 @@ class StreamedExecutor:
         local_fence = lanes.record("unpack") if self.plan.local else None
         finals = host_fences + [f for f in (last_comm, last_unpack, local_fence) if f is not None]
         lanes.join(finals)
-        stats.peak_staging_bytes = arena.peak if (need and arena is not None) else 0
-        stats.staging_capacity_bytes = capacity
-        if self.sync or self.verify:
+        stats.peak_staging_bytes = arena.peak if arena is not None else 0
+        stats.staging_capacity_bytes = sched.capacity if arena is not None else 0
+        if self.sync or ledger is not None:
             for f in finals:
                 lanes.host_wait(f, f"rank {self.plan.rank}: refit transfer")
-            if self.verify:
-                self._checksums(src, dst, stats)
+            if ledger is not None:
+                stats.checksums_sent, stats.checksums_received = ledger.settle()
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    # -- helpers ----------------------------------------------------------------------------------
-    def _pack_into(self, buf: torch.Tensor, b: Bucket, src) -> None:
-        pos = 0
-        for op, off in zip(b.ops, b.offsets):
-            if off > pos:
-                buf[pos:off].zero_()  # alignment padding: keep the bytes deterministic
-            _op_view(buf, op, off).copy_(src[op.name][op.box.src_slices()])
-            pos = off + op.nbytes
-        if b.nbytes > pos:
-            buf[pos:b.nbytes].zero_()
-
-    def _local_copies(self, src, dst, stats) -> None:
-        for op in self.plan.local:
-            dst[op.name][op.box.dst_slices()].copy_(src[op.name][op.box.src_slices()])
-            stats.local_bytes += op.nbytes
-
-    def _checksums(self, src, dst, stats) -> None:
-        """Per-bucket checksums of what was sent (from the sources) and what arrived (from the
-        destinations, in wire dtype): both ends compute them over the bucket's layout."""
-        from refit.transport.rounds import checksum
-
-        for b in self.plan.sends:
-            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
-            self._pack_into(buf, b, src)
-            stats.checksums_sent[(b.peer, b.index)] = checksum(buf)
-        for b in self.plan.recvs:
-            buf = torch.zeros(b.nbytes, dtype=torch.uint8, device=self.device)
-            for op, off in zip(b.ops, b.offsets):
-                _op_view(buf, op, off).copy_(dst[op.name][op.box.dst_slices()])
-            stats.checksums_received[(b.peer, b.index)] = checksum(buf)
+    def _release(self) -> None:
+        self._schedule = None
+        self._lanes = None
 
 
 __all__ = [
     "DEFAULT_GROUP_BYTES", "DEFAULT_STAGING_BUDGET", "Fence", "Lanes", "StagingArena", "StreamedExecutor",
-    "arena_for", "direct_view", "release_staging",
+    "arena_for", "release_staging",
 ]

@@ -10,7 +10,6 @@ its own plan (cached on the roster digest) and executes it.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Any
 
@@ -20,7 +19,6 @@ from refit.comm.group import as_communicator
 from refit.errors import LayoutError, PlanError, RefitError
 from refit.layout import (
     dtype_name,
-    intersect_regions,
     local_tensor_of,
     region_shape,
 )
@@ -31,9 +29,10 @@ from refit.plan.planner import (
     TensorLayout,
     build_rank_plan,
     merge_rosters,
-    source_shards,
 )
-from refit.transport.rounds import PlanExecutor, execute_plan
+from refit.transport.base import TransferStats, device_of
+from refit.transport.broadcast import BroadcastPlan
+from refit.transport.factory import make_executor
 
 PARAM = "tensor"
 _plan_cache = PlanCache(max_entries=256)
@@ -127,7 +126,8 @@ def xferdtensor(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_p
     src = {PARAM: local_tensor_of(src_tensor)} if src_tensor is not None else {}
     dst = {PARAM: local_tensor_of(dst_tensor)} if dst_tensor is not None else {}
     with _stream_ctx(stream):
-        return execute_plan(plan, comm, src, dst)
+        with make_executor(plan, comm, device=device_of(src, dst)) as executor:
+            return executor.run(src, dst)
 
 
 def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group):
@@ -136,37 +136,15 @@ def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh
     One broadcast per distinct source shard, from that shard's first replica; a fully
     replicated source needs a single broadcast. Simple on purpose: it is the reference
     ``xferdtensor`` is tested against, and the cost every rank pays in the naive refit.
+    The full tensor is never materialised: each rank keeps the part of every broadcast
+    shard that falls in its destination region.
     """
     comm = as_communicator(process_group)
-    _, spec = _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
-    golden_from_spec(
-        comm, spec,
-        local_tensor_of(src_tensor) if src_tensor is not None else None,
-        local_tensor_of(dst_tensor) if dst_tensor is not None else None,
-    )
-
-
-def golden_from_spec(comm, spec, src_local: torch.Tensor | None, dst_local: torch.Tensor | None) -> None:
-    """``xferdtensor_golden`` for an already-merged param spec (every rank of ``comm`` calls it)."""
-    src_dtype = getattr(torch, spec.src.dtype)
-    device = next((t.device for t in (src_local, dst_local) if t is not None), torch.device("cpu"))
-    full = torch.empty(spec.shape, dtype=src_dtype, device=device)
-    whole = tuple(((0, n),) if n else () for n in spec.shape)
-    for root, region in source_shards(spec):
-        shape = region_shape(region)
-        if math.prod(shape) == 0:
-            continue
-        buf = src_local.contiguous() if comm.rank == root else torch.empty(shape, dtype=src_dtype, device=device)
-        comm.broadcast(buf, root)
-        for box in intersect_regions(region, whole):
-            full[box.dst_slices()].copy_(buf[box.src_slices()])
-    if dst_local is None:
-        return
-    for layout in spec.dsts:
-        if layout.coords(comm.rank) is None:
-            continue
-        for box in intersect_regions(whole, layout.region(spec.shape, comm.rank)):
-            dst_local[box.dst_slices()].copy_(full[box.src_slices()])
+    index, _ = _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
+    src = {PARAM: local_tensor_of(src_tensor)} if src_tensor is not None else {}
+    dst = {PARAM: local_tensor_of(dst_tensor)} if dst_tensor is not None else {}
+    with make_executor(BroadcastPlan.build(index, comm.rank), comm) as executor:
+        return executor.run(src, dst)
 
 
 class Resharder:
@@ -207,16 +185,16 @@ class Resharder:
         t0 = time.perf_counter()
         self.plan = build_rank_plan(self.index, self.comm.rank, bucket_bytes=bucket_bytes)
         self.plan_seconds = time.perf_counter() - t0
-        self.depth = depth
-        self._executor = None
+        self.executor = make_executor(self.plan, self.comm, device=device_of(self.src, self.dst), depth=depth)
+        self.executor.prepare(self.src, self.dst)
 
-    def run(self, **kwargs):
+    def run(self, *, verify: bool = False) -> TransferStats:
         """Move every tensor once; returns this rank's ``TransferStats``."""
-        if kwargs:
-            return execute_plan(self.plan, self.comm, self.src, self.dst, depth=self.depth, **kwargs)
-        if self._executor is None:
-            self._executor = PlanExecutor(self.plan, self.comm, depth=self.depth)
-        return self._executor.run(self.src, self.dst)
+        return self.executor.run(verify=verify)
+
+    def close(self) -> None:
+        """Release the executor's staging."""
+        self.executor.close()
 
 
-__all__ = ["Resharder", "golden_from_spec", "xferdtensor", "xferdtensor_golden"]
+__all__ = ["Resharder", "xferdtensor", "xferdtensor_golden"]

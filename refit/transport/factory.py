@@ -1,0 +1,71 @@
+"""One factory for every executor: the plan and the communicator decide, the caller may insist."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refit.errors import PlanError
+from refit.plan.planner import RankPlan
+from refit.transport.base import Executor
+from refit.transport.broadcast import BroadcastExecutor, BroadcastPlan
+from refit.transport.fanout import FanoutExecutor
+from refit.transport.rounds import RoundsExecutor
+from refit.transport.streamed import StreamedExecutor
+
+TRANSPORTS = ("auto", "rounds", "streamed", "nixl")
+
+
+def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport: str = "auto",
+                  device: torch.device | str | None = None, nixl: Any = None, **options: Any) -> Executor:
+    """The executor of ``plan`` on this rank; made once per plan and reused every refit.
+
+    ``transport``: ``"rounds"`` (host-driven rounds, gloo), ``"streamed"`` (the CUDA-stream
+    pipeline over NCCL; on CPU tensors it runs on the host), ``"nixl"`` (one-sided writes
+    through ``nixl``, a ``refit.transport.nixl.NixlTransport``), or ``"auto"``: streamed
+    when ``device`` is a GPU and the communicator is stream-ordered (NCCL), rounds
+    otherwise. A ``BroadcastPlan`` always gets the broadcast executor and a fan-out plan
+    runs its two parts on the chosen transport. ``options`` go to the executor
+    (``depth``; ``staging_budget_bytes``, ``group_bytes``, ``sync``, ``timing``).
+    """
+    if transport not in TRANSPORTS:
+        raise PlanError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if isinstance(plan, BroadcastPlan):
+        if options:
+            raise PlanError(f"the broadcast executor takes no options, got {sorted(options)}")
+        return BroadcastExecutor(plan, comm)
+    device = torch.device(device) if device is not None else None
+    if transport == "nixl":
+        from refit.transport.nixl import NixlExecutor
+
+        if nixl is None:
+            raise PlanError("transport='nixl' needs nixl=<NixlTransport>")
+        if plan.fanout:
+            raise PlanError("transport='nixl' does not run fan-out plans")
+        return NixlExecutor(plan, nixl)
+    if transport == "auto":
+        ordered = bool(getattr(comm, "stream_ordered", False))
+        transport = "streamed" if device is not None and device.type == "cuda" and ordered else "rounds"
+    part_options = _options_for(transport, options)
+
+    def make_part(part: RankPlan) -> Executor:
+        if transport == "streamed":
+            return StreamedExecutor(part, comm, device=device, **part_options)
+        return RoundsExecutor(part, comm, device=device, **part_options)
+
+    if plan.fanout:
+        return FanoutExecutor(plan, comm, make_part)
+    return make_part(plan)
+
+
+def _options_for(transport: str, options: dict[str, Any]) -> dict[str, Any]:
+    allowed = {"rounds": {"depth"},
+               "streamed": {"staging_budget_bytes", "group_bytes", "sync", "timing", "arena"}}[transport]
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise PlanError(f"the {transport} executor does not take {unknown}; it takes {sorted(allowed)}")
+    return {k: v for k, v in options.items() if v is not None}
+
+
+__all__ = ["TRANSPORTS", "make_executor"]
