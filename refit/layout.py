@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,7 +169,7 @@ def chunk_bounds(length: int, num_chunks: int, index: int) -> Interval:
     return (start, min(start + size, length))
 
 
-def _take(intervals: Sequence[Interval], lo: int, hi: int) -> list[Interval]:
+def take_positions(intervals: Sequence[Interval], lo: int, hi: int) -> list[Interval]:
     """Global intervals of logical positions ``[lo, hi)`` of a concatenation of intervals."""
     out: list[Interval] = []
     pos = 0
@@ -183,7 +184,8 @@ def _take(intervals: Sequence[Interval], lo: int, hi: int) -> list[Interval]:
     return out
 
 
-def _merge(intervals: list[Interval]) -> tuple[Interval, ...]:
+def merge_intervals(intervals: list[Interval]) -> tuple[Interval, ...]:
+    """Sorted intervals with touching neighbours joined and empty ones dropped."""
     merged: list[Interval] = []
     for a, b in intervals:
         if merged and merged[-1][1] == a:
@@ -209,15 +211,15 @@ def shard_region(
         cur = region[p.dim]
         length = sum(b - a for a, b in cur)
         if isinstance(p, Shard):
-            region[p.dim] = _take(cur, *chunk_bounds(length, n, i))
+            region[p.dim] = take_positions(cur, *chunk_bounds(length, n, i))
         else:
             pieces: list[Interval] = []
             for j in range(p.split_factor):
                 ps, pe = chunk_bounds(length, p.split_factor, j)
                 cs, ce = chunk_bounds(pe - ps, n, i)
-                pieces.extend(_take(cur, ps + cs, ps + ce))
+                pieces.extend(take_positions(cur, ps + cs, ps + ce))
             region[p.dim] = pieces
-    return tuple(_merge(r) for r in region)
+    return tuple(merge_intervals(r) for r in region)
 
 
 def region_shape(region: Region) -> tuple[int, ...]:
@@ -273,7 +275,7 @@ class Box:
         return tuple(slice(s, s + n) for s, n in zip(self.dst_start, self.shape))
 
 
-def _dim_overlaps(a: Sequence[Interval], b: Sequence[Interval]) -> list[tuple[int, int, int, int]]:
+def dim_overlaps(a: Sequence[Interval], b: Sequence[Interval]) -> list[tuple[int, int, int, int]]:
     """(global start, length, offset in a, offset in b) of every overlap of two interval lists."""
     out = []
     oa = 0
@@ -291,7 +293,7 @@ def _dim_overlaps(a: Sequence[Interval], b: Sequence[Interval]) -> list[tuple[in
 def region_overlap_numel(a: Region, b: Region) -> int:
     total = 1
     for da, db in zip(a, b):
-        n = sum(length for _, length, _, _ in _dim_overlaps(da, db))
+        n = sum(length for _, length, _, _ in dim_overlaps(da, db))
         if n == 0:
             return 0
         total *= n
@@ -303,7 +305,7 @@ def intersect_regions(src: Region, dst: Region) -> list[Box]:
 
     A zero-dim tensor has one empty-shaped box.
     """
-    per_dim = [_dim_overlaps(a, b) for a, b in zip(src, dst)]
+    per_dim = [dim_overlaps(a, b) for a, b in zip(src, dst)]
     if any(not d for d in per_dim):
         return []
     boxes = []

@@ -1,1 +1,40 @@
-"""Pure planning: rosters, the merged parameter index and each rank's own transfer plan."""
+"""Pure planning: rosters, the merged parameter index and each rank's own transfer plan.
+
+roster (entries, layouts, the merged index and its checks) < buckets (ops, packing)
+< geometry < templates (one form's plan per rank position) < forms < rank_plan < cache.
+"""
+
+from refit.plan.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_DIRECT_BYTES,
+    Bucket,
+    Op,
+    contiguous,
+    itemsize,
+    pack_buckets,
+    split_box,
+    task_id,
+    wire_dtype,
+)
+from refit.plan.cache import PlanCache
+from refit.plan.forms import reset_planner_cache
+from refit.plan.geometry import LayoutGeometry
+from refit.plan.rank_plan import DEFAULT_STRIPE_BYTES, RankPlan, build_rank_plan, plan_key
+from refit.plan.roster import (
+    ParamIndex,
+    ParamSpec,
+    RosterEntry,
+    TensorLayout,
+    check_local_shapes,
+    merge_rosters,
+    min_bytes_needed,
+    source_shards,
+)
+from refit.plan.templates import PlanStats
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "DEFAULT_DIRECT_BYTES", "DEFAULT_STRIPE_BYTES", "Bucket", "LayoutGeometry", "Op",
+    "ParamIndex", "ParamSpec", "PlanCache", "PlanStats", "RankPlan", "RosterEntry", "TensorLayout",
+    "build_rank_plan", "check_local_shapes", "contiguous", "itemsize", "merge_rosters", "min_bytes_needed",
+    "pack_buckets", "plan_key", "reset_planner_cache", "source_shards", "split_box", "task_id", "wire_dtype",
+]
