@@ -48,26 +48,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         bench_gpu.add_gpu_arguments(p)
 
 
+def model_spec(layers: int, hidden: int, vocab: int):
+    """The bench's model as a ``ModelSpec``: Llama-shaped, GQA 4:1 (k/v rows hidden/4), MLP 11/4 of hidden.
+
+    The head size is the largest of at most 128 that divides both hidden and hidden/4, so any
+    hidden size gives these exact shapes.
+    """
+    import math
+
+    from refit.models.specs import ModelSpec
+
+    kv_rows = max(hidden // 4, 1)
+    head_dim = math.gcd(hidden, kv_rows, 128)
+    return ModelSpec(name=f"llama-{layers}x{hidden}", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                     num_heads=hidden // head_dim, num_kv_heads=kv_rows // head_dim, head_dim=head_dim,
+                     intermediate_size=(hidden * 11) // 4)
+
+
 def model_tensors(layers: int, hidden: int, vocab: int) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """(name, global shape, TP shard dim or None for replicated), Llama-shaped with GQA 4:1."""
-    kv = max(hidden // 4, 1)
-    inter = (hidden * 11) // 4
-    out = [("model.embed_tokens.weight", (vocab, hidden), 0)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", (hidden,), None),
-            (p + "self_attn.q_proj.weight", (hidden, hidden), 0),
-            (p + "self_attn.k_proj.weight", (kv, hidden), 0),
-            (p + "self_attn.v_proj.weight", (kv, hidden), 0),
-            (p + "self_attn.o_proj.weight", (hidden, hidden), 1),
-            (p + "post_attention_layernorm.weight", (hidden,), None),
-            (p + "mlp.gate_proj.weight", (inter, hidden), 0),
-            (p + "mlp.up_proj.weight", (inter, hidden), 0),
-            (p + "mlp.down_proj.weight", (hidden, inter), 1),
-        ]
-    out += [("model.norm.weight", (hidden,), None), ("lm_head.weight", (vocab, hidden), 0)]
-    return out
+    """(name, global shape, TP shard dim or None for replicated) of every tensor of ``model_spec``."""
+    return [(p.name, p.shape, p.tp_dim) for p in model_spec(layers, hidden, vocab).params()]
 
 
 def _placements(shard_dim, mesh_ndim):

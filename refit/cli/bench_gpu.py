@@ -24,126 +24,47 @@ Every destination tensor is checked bit for bit after the refits (and the golden
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from typing import Any
 
-from refit.comm.group import free_port
-from refit.testing.launch import LocalFleet, serve_requests
+from refit.models.fused import FusedLayout
+from refit.models.specs import MODELS, ModelSpec
+from refit.testing.launch import DeviceFleet
 
 GB = 1e9
 MIB = 1 << 20
 
 
-# -- a fleet of GPU processes ------------------------------------------------------------------
-
-def rebuild_group(group, port: int, peer: str | None = None, init_timeout_s: float = 60.0):
-    """Special job for ``DeviceFleet.rebuild``: abort this rank's group and join a new one."""
-    from refit.comm.group import StatelessProcessGroup
-
-    if group is not None:
-        group.abort()
-    return StatelessProcessGroup("127.0.0.1", port, group.rank, group.world_size, backend="nccl",
-                                 device=group.device, peer=peer or group.peer, timeout_s=120,
-                                 init_timeout_s=init_timeout_s)
-
-
-def _device_worker(rank: int, world_size: int, port: int, conn, peer: str, init_timeout_s: float) -> None:
-    import torch
-
-    from refit.comm.group import StatelessProcessGroup
-
-    dev = rank % max(torch.cuda.device_count(), 1)
-    torch.cuda.set_device(dev)
-    state: dict[str, Any] = {}
-    try:
-        state["group"] = StatelessProcessGroup("127.0.0.1", port, rank, world_size, backend="nccl", device=dev,
-                                               peer=peer, timeout_s=120, init_timeout_s=init_timeout_s)
-    except BaseException as e:  # noqa: BLE001 - reported on every request
-        state["error"] = e
-
-    def call(fn, args, kwargs):
-        if "error" in state:
-            raise state["error"]
-        if fn is rebuild_group:  # the new group stays here; the parent gets this process's pid
-            state["group"] = fn(state["group"], *args, **kwargs)
-            return os.getpid()
-        return fn(state["group"], *args, **kwargs)
-
-    try:
-        serve_requests(conn, call)
-    finally:
-        if "group" in state:
-            state["group"].abort()
-        conn.close()
-
-
-class DeviceFleet(LocalFleet):
-    """``LocalFleet`` with one GPU per process and NCCL groups (``peer`` protocol)."""
-
-    def __init__(self, world_size: int = 2, *, peer: str = "nemo", init_timeout_s: float = 60.0,
-                 start_timeout_s: float = 300.0):
-        self._start(world_size, _device_worker, (peer, init_timeout_s), start_timeout_s)
-
-    def rebuild(self, peer: str | None = None, timeout_s: float = 120.0) -> None:
-        """Every rank aborts its group and joins a new one on a fresh port."""
-        self.run(rebuild_group, free_port(), peer, timeout_s=timeout_s)
-
-
 # -- the model -------------------------------------------------------------------------------------
 
-LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256)
+def bench_spec(model: dict) -> ModelSpec:
+    """Llama-3-8B's shapes (``refit.models.specs``) with the fields ``model`` gives replaced.
+
+    ``model`` may set ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``inter`` and
+    ``vocab``: the tests run the whole flow on a tiny model over gloo.
+    """
+    fields = dict(layers="num_layers", hidden="hidden_size", heads="num_heads", kv_heads="num_kv_heads",
+                  head_dim="head_dim", inter="intermediate_size", vocab="vocab_size")
+    return dataclasses.replace(MODELS["llama3-8b"], **{fields[k]: v for k, v in model.items()})
 
 
-def hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of a Llama checkpoint in Hugging Face naming."""
-    h, q, kv, it, v = cfg["hidden"], cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], \
-        cfg["inter"], cfg["vocab"]
-    out = [("model.embed_tokens.weight", (v, h))]
-    for i in range(cfg["layers"]):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "post_attention_layernorm.weight", (h,)),
-            (p + "mlp.gate_proj.weight", (it, h)),
-            (p + "mlp.up_proj.weight", (it, h)),
-            (p + "mlp.down_proj.weight", (h, it)),
-        ]
-    out += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
-    return out
+def hf_tensors(model: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the bench's model (``bench_spec``) in Hugging Face naming."""
+    return [(p.name, p.shape) for p in bench_spec(model).params()]
 
 
-def fused_engine(cfg: dict, dtype, device) -> tuple[dict, dict]:
+def fused_engine(model: dict, dtype, device) -> tuple[dict, dict]:
     """vLLM-style parameters (fused qkv_proj / gate_up_proj) and, per HF name, a view into them."""
     import torch
 
-    params, views = {}, {}
-    q, kv, it = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"], cfg["inter"]
-    for name, shape in hf_tensors(cfg):
-        if ".self_attn.q_proj." in name:
-            base = name.replace("q_proj", "qkv_proj")
-            fused = params[base] = torch.empty((q + 2 * kv, cfg["hidden"]), dtype=dtype, device=device)
-            views[name] = fused[0:q]
-            views[name.replace("q_proj", "k_proj")] = fused[q:q + kv]
-            views[name.replace("q_proj", "v_proj")] = fused[q + kv:q + 2 * kv]
-        elif ".mlp.gate_proj." in name:
-            base = name.replace("gate_proj", "gate_up_proj")
-            fused = params[base] = torch.empty((2 * it, cfg["hidden"]), dtype=dtype, device=device)
-            views[name] = fused[0:it]
-            views[name.replace("gate_proj", "up_proj")] = fused[it:2 * it]
-        elif any(k in name for k in (".k_proj.", ".v_proj.", ".up_proj.")):
-            continue
-        else:
-            params[name] = views[name] = torch.empty(shape, dtype=dtype, device=device)
-    return params, views
+    layout = FusedLayout(bench_spec(model))
+    params = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in layout.local_shapes().items()}
+    return params, {name: ref.to_local() for name, (ref, _, _) in layout.views(params).items()}
 
 
 def fill_pattern(t, seed: int, chunk: int = 1 << 26) -> None:
@@ -298,8 +219,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     dev = _device(group)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    model = dict(LLAMA3_8B, **cfg.get("model", {}))
-    model["layers"] = cfg["layers"]
+    model = dict(cfg.get("model", {}), layers=cfg["layers"])
     names = hf_tensors(model)
     out: dict[str, Any] = {"rank": group.rank,
                            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}

@@ -25,8 +25,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.set_device(dev)
-    model = dict(B.LLAMA3_8B, **cfg.get("model", {}))
-    model["layers"] = cfg["layers"]
+    model = dict(cfg.get("model", {}), layers=cfg["layers"])
     names = B.hf_tensors(model)
     bf16 = torch.bfloat16
     src, dst = {}, {}
@@ -149,7 +148,7 @@ def bench(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON result here")
     args = p.parse_args(argv)
-    from refit.cli.bench_gpu import DeviceFleet
+    from refit.testing.launch import DeviceFleet
 
     if torch.cuda.device_count() < 2:
         print("the NIXL GPU bench needs 2 GPUs; torch sees", torch.cuda.device_count())

@@ -128,7 +128,8 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     from refit import ReshardWeightSynchronizer
     from refit.comm.group import free_port
     from refit.runtime.ray import RayFleet
-    from refit.models.hf import EngineWorker, HFTrainerWorker, tiny_llama_config, tiny_qwen3_moe_config
+    from refit.testing.engine import EngineWorker
+    from refit.testing.hf import HFTrainerWorker, tiny_llama_config, tiny_qwen3_moe_config
 
     config = (tiny_llama_config() if args.model == "llama" else tiny_qwen3_moe_config()).to_dict()
     t_start = time.monotonic()
@@ -136,7 +137,7 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     sizes = engine_sizes(args)
     placement = {}
     if args.device == "cuda" and args.nixl:
-        # NIXL ranks share GPUs: Ray hands out none, each actor picks its own (refit.models.hf.shared_gpu)
+        # NIXL ranks share GPUs: Ray hands out none, each actor picks its own (refit.testing.engine.shared_gpu)
         placement = {"share_gpus": gpus, "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     fleet = RayFleet(
         HFTrainerWorker, EngineWorker,

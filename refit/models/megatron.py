@@ -3,18 +3,18 @@
 A Megatron-core trainer rank holds TP-local shards of fused tensors with Megatron names, only
 for the layers of its pipeline stage and only for the experts of its expert-parallel rank.
 ``megatron_to_canonical`` (or ``MegatronLayout.to_canonical``) turns that local state dict into
-``{canonical_name: (DTensorRef, mesh, placements)}``, the format ``refit.transport.xfer.Resharder`` and
-the trainer endpoint of ``refit.runtime.endpoint`` take: every local tensor is a view of the Megatron
-parameter (its storage), so a refit reads the trainer's memory in place.
+``{canonical_name: (DTensorRef, mesh, placements)}``, the format the resharder and the trainer
+endpoints take (``refit.testing.megatron.MegatronTrainerEndpoint`` serves one rank): every local
+tensor is a view of the Megatron parameter (its storage), so a refit reads the trainer's memory in place.
 
-Conventions (documented here once; ``refit.models.engine`` follows them)
+Conventions (documented here once; ``refit.models.fused`` follows them)
 -----------------------------------------------------------------------------------------
 
 Names. Canonical names are the Hugging Face checkpoint names of ``refit.models.specs``
 (``model.layers.{L}.self_attn.q_proj.weight``, ``model.layers.{L}.mlp.experts.{E}.gate_proj.weight``,
 ...), with global layer and global expert numbers.
 
-Ranks. A mesh is an array of ranks of the refit communicator: ``offset + trainer rank``. Trainer
+Ranks. A mesh is an array of ranks of refit's communicator: ``offset + trainer rank``. Trainer
 ranks follow Megatron's default order ``tp-cp-ep-dp-pp`` as ``refit.models.parallel`` does:
 pipeline stage ``s`` owns ranks ``s*S .. s*S+S-1`` (``S = tp*cp*dp``), laid out as a
 ``[dp, cp, tp]`` mesh (tp fastest) for dense tensors; routed experts use the expert
@@ -39,7 +39,7 @@ they are one strided view, so q/k/v are exposed in a *grouped* canonical shape:
 The reshape of a full HF tensor into this shape is free (``to_grouped``), and a vLLM-style
 engine's q/k/v row blocks are contiguous views in it too, so an engine that receives from a
 Megatron trainer exposes its fused ``qkv_proj`` in the same grouped shape
-(``EngineShard(..., qkv="grouped")``). A param's global shape is part of its identity in a
+(``FusedLayout(..., qkv="grouped")``). A param's global shape is part of its identity in a
 plan: a grouped source against a plain destination is reported as a shape mismatch.
 
 TP over query groups. When ``tp <= G`` (``tp`` divides ``G``), rank ``t`` holds groups
@@ -72,8 +72,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,12 +83,10 @@ from refit.errors import LayoutError
 from refit.layout import DTensorRef, Placement, Replicate, Shard, chunk_bounds
 from refit.models.parallel import TrainParallel
 from refit.models.specs import ModelSpec
-from refit.runtime.endpoint import TrainerEndpoint
 
 __all__ = [
     "Entry",
     "MegatronLayout",
-    "MegatronTrainerEndpoint",
     "check_qkv_tp",
     "from_grouped",
     "grouped_local",
@@ -483,19 +482,3 @@ def megatron_to_canonical(state: Mapping[str, torch.Tensor], *, spec: ModelSpec,
                           offset: int = 0, expert_layout: str = "te") -> dict[str, Entry]:
     """One Megatron-core rank's local state dict as canonical views: see ``MegatronLayout.to_canonical``."""
     return MegatronLayout(spec, parallel, expert_layout=expert_layout).to_canonical(state, rank, offset=offset)
-
-
-class MegatronTrainerEndpoint(TrainerEndpoint):
-    """A ``TrainerEndpoint`` over one Megatron-core rank: its local state dict, exposed as canonical views.
-
-    ``state`` is the rank's local state dict (e.g. the ``named_parameters`` of its model chunk)
-    or a callable returning it, read at every build and transfer. ``rank`` is the trainer rank
-    (the order of ``MegatronLayout``), which is also its rank in the refit meshes.
-    """
-
-    def __init__(self, layout: MegatronLayout, rank: int, state: Any):
-        self.layout, self.rank, self.state = layout, rank, state
-
-    def refit_sources(self) -> dict[str, Entry]:
-        state = self.state() if callable(self.state) else self.state
-        return self.layout.to_canonical(state, self.rank)

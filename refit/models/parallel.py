@@ -30,8 +30,8 @@ cut by tensor parallelism inside each replica, like the dense MLP.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
@@ -322,7 +322,8 @@ def build_index(model: ModelSpec, train: TrainParallel, engine: EngineParallel, 
     return ParamIndex(b.world, specs, {r: sorted(ns) for r, ns in sorted(by_rank.items())})
 
 
-def build_rosters(model: ModelSpec, train: TrainParallel, engine: EngineParallel, **kwargs) -> dict[int, list[RosterEntry]]:
+def build_rosters(model: ModelSpec, train: TrainParallel, engine: EngineParallel,
+                  **kwargs) -> dict[int, list[RosterEntry]]:
     """Per-rank roster entries, as every rank would report them (for ``merge_rosters``)."""
     b = LayoutBuilder(model, train, engine, **kwargs)
     rosters: dict[int, list[RosterEntry]] = {r: [] for r in range(b.world)}
@@ -340,7 +341,8 @@ def node_map(train_world: int, engine_offset: int, world: int, gpus_per_node: in
     nodes = []
     first_engine_node = -(-engine_offset // gpus_per_node)
     for r in range(world):
-        nodes.append(r // gpus_per_node if r < engine_offset else first_engine_node + (r - engine_offset) // gpus_per_node)
+        engine_node = first_engine_node + (r - engine_offset) // gpus_per_node
+        nodes.append(r // gpus_per_node if r < engine_offset else engine_node)
     return nodes
 
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from refit.errors import RefitError
 
@@ -57,6 +58,11 @@ class ParamShape:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def tp_dim(self) -> int | None:
+        """The dim plain (one mesh dim) tensor parallelism cuts: 0 or 1, ``None`` when replicated."""
+        return {"row": 1, "erow": 1, "rep": None}.get(self.kind, 0)
 
 
 @dataclass(frozen=True)
@@ -326,3 +332,15 @@ def load_hf_config(config: str | os.PathLike | Mapping[str, Any], *, name: str |
                       qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
                       num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
     return ModelSpec(**fields)
+
+
+def hf_config_dict(config: Any) -> dict[str, Any]:
+    """A ``transformers`` config (object or ``to_dict()``) as a dict ``load_hf_config`` reads right.
+
+    transformers 5 writes a Qwen-MoE config's ``num_experts`` under its alias
+    ``num_local_experts`` (the Mixtral name), which would read as Mixtral expert naming.
+    """
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if cfg.get("model_type") != "mixtral" and "num_local_experts" in cfg and "num_experts" not in cfg:
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+    return cfg

@@ -1,7 +1,8 @@
 """A local fleet of worker processes, each holding a rank of one ``StatelessProcessGroup``.
 
 Used by the benchmarks and the tests to run real multi-process transfers on one
-machine without Ray: the parent sends a picklable function, every rank runs it with its
+machine without Ray (``LocalFleet`` over gloo on CPUs, ``DeviceFleet`` over NCCL with one GPU
+a process): the parent sends a picklable function, every rank runs it with its
 communicator, and the parent collects the results. Every wait is bounded; a fleet that
 misses its deadline is killed rather than left to hang the caller.
 """
@@ -150,3 +151,54 @@ class LocalFleet:
 
 def _ready(group) -> int:
     return os.getpid()
+
+
+# -- a fleet of GPU processes ------------------------------------------------------------------
+
+def rebuild_group(group, port: int, peer: str | None = None, init_timeout_s: float = 60.0):
+    """Special job for ``DeviceFleet.rebuild``: abort this rank's group and join a new one."""
+    if group is not None:
+        group.abort()
+    return StatelessProcessGroup("127.0.0.1", port, group.rank, group.world_size, backend="nccl",
+                                 device=group.device, peer=peer or group.peer, timeout_s=120,
+                                 init_timeout_s=init_timeout_s)
+
+
+def _device_worker(rank: int, world_size: int, port: int, conn, peer: str, init_timeout_s: float) -> None:
+    import torch
+
+    dev = rank % max(torch.cuda.device_count(), 1)
+    torch.cuda.set_device(dev)
+    state: dict[str, Any] = {}
+    try:
+        state["group"] = StatelessProcessGroup("127.0.0.1", port, rank, world_size, backend="nccl", device=dev,
+                                               peer=peer, timeout_s=120, init_timeout_s=init_timeout_s)
+    except BaseException as e:  # noqa: BLE001 - reported on every request
+        state["error"] = e
+
+    def call(fn, args, kwargs):
+        if "error" in state:
+            raise state["error"]
+        if fn is rebuild_group:  # the new group stays here; the parent gets this process's pid
+            state["group"] = fn(state["group"], *args, **kwargs)
+            return os.getpid()
+        return fn(state["group"], *args, **kwargs)
+
+    try:
+        serve_requests(conn, call)
+    finally:
+        if "group" in state:
+            state["group"].abort()
+        conn.close()
+
+
+class DeviceFleet(LocalFleet):
+    """``LocalFleet`` with one GPU per process and NCCL groups (``peer`` protocol)."""
+
+    def __init__(self, world_size: int = 2, *, peer: str = "nemo", init_timeout_s: float = 60.0,
+                 start_timeout_s: float = 300.0):
+        self._start(world_size, _device_worker, (peer, init_timeout_s), start_timeout_s)
+
+    def rebuild(self, peer: str | None = None, timeout_s: float = 120.0) -> None:
+        """Every rank aborts its group and joins a new one on a fresh port."""
+        self.run(rebuild_group, free_port(), peer, timeout_s=timeout_s)

@@ -1,61 +1,50 @@
-"""A small inference engine in plain torch: fused vLLM-style layout, refit written straight into it.
+"""A small inference engine in plain torch, on the fused vLLM-style layout, for checks and demos.
 
-``EngineShard`` is one tensor-parallel rank of one generation shard. It holds a Llama- or
-Qwen3-MoE-shaped decoder the way vLLM holds it: ``qkv_proj`` (``[q; k; v]`` rows of the rank),
-``gate_up_proj`` (``[gate; up]`` rows of the rank), vocab-parallel embedding and head, and
-routed experts as ``w13`` (``[E, 2*Ie/tp, hidden]``, per expert ``[gate; up]``) and ``w2``
-(``[E, hidden, Ie/tp]``). Key/value heads are replicated when tp exceeds them: rank ``t``
-holds kv head ``t // (tp / kv_heads)``.
-
-``destinations()`` exposes those fused tensors to refit under canonical Hugging Face names
-(``refit.models.specs``), one ``(DTensorRef, mesh, placements)`` per canonical param, whose
-local tensor is a VIEW of the fused tensor: the q/k/v row blocks of ``qkv_proj``, the gate/up
-row blocks of ``gate_up_proj``, ``w13[e, :Ie/tp]`` ... A refit writes through those views, so
-after it the fused tensors are right without a copy or a load step. Meshes are the shard's
-own workers ``0 .. tp-1`` (plus ``offset``): k/v are ``[Shard(0), Replicate()]`` over a
-``[kv_heads, tp/kv_heads]`` mesh when tp exceeds the kv heads, so each kv head is sent once per
-replica. With ``qkv="grouped"`` q/k/v use the grouped shapes of ``refit.models.megatron``
-(needed to receive from a Megatron-core trainer); the default ``"plain"`` uses the HF shapes
-(to receive from an HF/DTensor trainer).
+``EngineShard`` is one tensor-parallel rank of one generation shard. Its weights are the fused
+tensors of ``refit.models.fused.FusedLayout`` (``qkv_proj``, ``gate_up_proj``, ``w13``/``w2``,
+vocab-parallel embedding and head) and ``destinations()`` are that layout's canonical views, so
+a refit writes straight into the tensors the forward reads.
 
 ``forward`` is a real tensor-parallel forward over the shard's own TP group (a ``TPComm``):
 masked vocab-parallel embedding + all-reduce, column-parallel fused qkv, GQA attention with
 RoPE (and Qwen3's q/k norms), row-parallel o_proj + all-reduce, fused SwiGLU MLP or top-k
 routed experts + all-reduce, vocab-parallel head + all-gather. It gives full logits on every
-rank, and ``generate`` greedy tokens. TP groups: ``TorchTPComm`` (a ``torch.distributed``
-group), ``StatelessTPComm`` (a ``refit.StatelessProcessGroup``), ``ThreadTPComm`` (threads of
-one process). Routed experts are cut by TP inside the shard, or, with ``expert_parallel=True``
-(vLLM's ``enable_expert_parallel``), split whole across the shard's workers: worker ``t`` holds
-experts ``t*E/tp .. (t+1)*E/tp - 1`` at full width (``w13`` ``[E/tp, 2*Ie, hidden]``), each
-exposed on a one-rank mesh, so a refit sends every expert to its one owner only.
+rank, and ``generate`` greedy tokens: comparing them with a Hugging Face forward of the
+trainer's weights is what shows that every byte landed in the right place. TP groups:
+``TorchTPComm`` (a ``torch.distributed`` group), ``StatelessTPComm`` (a
+``refit.StatelessProcessGroup``), ``ThreadTPComm`` (threads of one process). ``EngineWorker``
+is the same engine shaped for ``refit.runtime.ray.RayFleet``.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from refit.errors import LayoutError
-from refit.layout import DTensorRef, Placement, Replicate, Shard, mesh_coords_of, shard_slices
-from refit.models.megatron import Entry, check_qkv_tp, grouped_local, grouped_shape, qkv_layout
-from refit.models.specs import ModelSpec, load_hf_config
+from refit.layout import mesh_coords_of, shard_slices
+from refit.models.fused import FusedLayout, offset_entries
+from refit.models.megatron import Entry
+from refit.models.specs import ModelSpec, hf_config_dict, load_hf_config
 from refit.runtime.endpoint import EngineEndpoint
 
 __all__ = [
     "EngineConfig",
     "EngineShard",
+    "EngineWorker",
     "TPComm",
     "StatelessTPComm",
     "ThreadTPComm",
     "TorchTPComm",
-    "hf_config_dict",
-    "offset_entries",
     "random_canonical_state",
+    "shared_gpu",
 ]
 
 
@@ -70,7 +59,7 @@ class EngineConfig:
     norm_topk_prob: bool = False
 
     @classmethod
-    def from_hf(cls, config: Any, *, dtype: str = "float32") -> "EngineConfig":
+    def from_hf(cls, config: Any, *, dtype: str = "float32") -> EngineConfig:
         """From a ``transformers`` config object or its ``to_dict()`` (Llama, Qwen3, Qwen3-MoE shapes)."""
         cfg = hf_config_dict(config)
         spec = replace(load_hf_config(cfg, name=cfg.get("model_type") or "model"), dtype=dtype)
@@ -82,18 +71,6 @@ class EngineConfig:
         return cls(spec=spec, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
                    num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
-
-
-def hf_config_dict(config: Any) -> dict[str, Any]:
-    """A ``transformers`` config (object or ``to_dict()``) as a dict ``load_hf_config`` reads right.
-
-    transformers 5 writes a Qwen-MoE config's ``num_experts`` under its alias
-    ``num_local_experts`` (the Mixtral name), which would read as Mixtral expert naming.
-    """
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    if cfg.get("model_type") != "mixtral" and "num_local_experts" in cfg and "num_experts" not in cfg:
-        cfg["num_experts"] = cfg.pop("num_local_experts")
-    return cfg
 
 
 def random_canonical_state(spec: ModelSpec, *, seed: int = 0, std: float = 0.02,
@@ -109,11 +86,6 @@ def random_canonical_state(spec: ModelSpec, *, seed: int = 0, std: float = 0.02,
             t = std * t
         out[p.name] = t.to(dtype)
     return out
-
-
-def offset_entries(entries: Mapping[str, Entry], offset: int) -> dict[str, Entry]:
-    """The same entries with ``offset`` added to every mesh rank."""
-    return {n: (t, np.asarray(m) + offset, pl) for n, (t, m, pl) in entries.items()}
 
 
 class TPComm(Protocol):
@@ -181,7 +153,7 @@ class ThreadTPComm:
         self._shared, self.rank = shared, rank
 
     @classmethod
-    def group(cls, tp: int, *, timeout_s: float = 60.0) -> list["ThreadTPComm"]:
+    def group(cls, tp: int, *, timeout_s: float = 60.0) -> list[ThreadTPComm]:
         shared = {"buf": [None] * tp, "barrier": threading.Barrier(tp, timeout=timeout_s)}
         return [cls(shared, r) for r in range(tp)]
 
@@ -219,128 +191,23 @@ class EngineShard(EngineEndpoint):
     def __init__(self, config: EngineConfig, *, tp_size: int = 1, tp_rank: int = 0, comm: TPComm | None = None,
                  qkv: str = "plain", dtype: torch.dtype = torch.float32, device: Any = "cpu",
                  fill: float = float("nan"), expert_parallel: bool = False):
-        s = config.spec
-        if s.mla or s.attention_bias or s.num_shared_experts or s.shared_expert_intermediate_size:
-            raise LayoutError(f"{s.name}: the reference engine runs Llama/Qwen3(-MoE) shapes only")
-        if s.num_experts and s.expert_naming != "mlp":
-            raise LayoutError(f"{s.name}: the reference engine expects Qwen-style expert names")
-        if qkv not in ("plain", "grouped"):
-            raise LayoutError(f"qkv must be 'plain' or 'grouped', got {qkv!r}")
-        if not 0 <= tp_rank < tp_size:
-            raise LayoutError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
+        layout = FusedLayout(config.spec, tp_size=tp_size, tp_rank=tp_rank, qkv=qkv, expert_parallel=expert_parallel)
         if tp_size > 1 and comm is None:
             raise LayoutError("an engine shard with tp_size > 1 needs its TP group (comm)")
-        if expert_parallel and not s.num_experts:
-            raise LayoutError(f"{s.name}: expert_parallel needs routed experts; the model has none")
-        if expert_parallel and s.num_experts % tp_size:
-            raise LayoutError(f"engine expert parallelism over {tp_size} workers does not divide the "
-                              f"{s.num_experts} experts of {s.name}")
-        check_qkv_tp(s.num_heads, s.num_kv_heads, tp_size, who=f"engine tp={tp_size}")
-        checks = [("vocabulary", s.vocab_size), ("intermediate size", s.intermediate_size)]
-        if not expert_parallel:
-            checks.append(("expert intermediate size", s.moe_intermediate_size))
-        for what, n in checks:
-            if n % tp_size:
-                raise LayoutError(f"engine tp={tp_size} does not divide the {what} {n} of {s.name}")
-        self.config, self.spec = config, s
+        self.config, self.spec, self.layout = config, config.spec, layout
         self.tp, self.rank, self.comm, self.qkv = tp_size, tp_rank, comm, qkv
         self.dtype, self.device = dtype, torch.device(device)
         self.version = 0
-        h, hd = s.hidden_size, s.head_dim
-        self.heads = s.num_heads // tp_size
-        self.kv_heads = max(s.num_kv_heads // tp_size, 1)
-        self.inter = s.intermediate_size // tp_size
-        self.expert_parallel = expert_parallel
-        self.e_inter = s.moe_intermediate_size if expert_parallel else s.moe_intermediate_size // tp_size
-        per_rank = s.num_experts // tp_size if expert_parallel else s.num_experts
-        first = tp_rank * per_rank if expert_parallel else 0
-        self.experts = range(first, first + per_rank)  # the routed experts this worker computes
-        self.vocab = s.vocab_size // tp_size
-        w: dict[str, torch.Tensor] = {}
-
-        def new(*shape: int) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=dtype, device=self.device)
-
-        w["model.embed_tokens.weight"] = new(self.vocab, h)
-        for layer in range(s.num_layers):
-            p = f"model.layers.{layer}"
-            w[f"{p}.input_layernorm.weight"] = new(h)
-            w[f"{p}.self_attn.qkv_proj.weight"] = new((self.heads + 2 * self.kv_heads) * hd, h)
-            w[f"{p}.self_attn.o_proj.weight"] = new(h, self.heads * hd)
-            if s.qk_norm:
-                w[f"{p}.self_attn.q_norm.weight"] = new(hd)
-                w[f"{p}.self_attn.k_norm.weight"] = new(hd)
-            w[f"{p}.post_attention_layernorm.weight"] = new(h)
-            if s.is_moe_layer(layer):
-                w[f"{p}.mlp.gate.weight"] = new(s.num_experts, h)
-                w[f"{p}.mlp.experts.w13_weight"] = new(len(self.experts), 2 * self.e_inter, h)
-                w[f"{p}.mlp.experts.w2_weight"] = new(len(self.experts), h, self.e_inter)
-            else:
-                w[f"{p}.mlp.gate_up_proj.weight"] = new(2 * self.inter, h)
-                w[f"{p}.mlp.down_proj.weight"] = new(h, self.inter)
-        w["model.norm.weight"] = new(h)
-        if not s.tie_word_embeddings:
-            w["lm_head.weight"] = new(self.vocab, h)
-        self.weights = w
-        self._views = self._build_views()
+        self.heads, self.kv_heads, self.inter = layout.heads, layout.kv_heads, layout.inter
+        self.expert_parallel, self.e_inter = expert_parallel, layout.expert_inter
+        self.experts = layout.experts  # the routed experts this worker computes
+        self.vocab = layout.vocab
+        self.weights = {name: torch.full(shape, fill, dtype=dtype, device=self.device)
+                        for name, shape in layout.local_shapes().items()}
+        self._views = layout.views(self.weights)
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- what refit sees -----------------------------------------------------------------------
-    def _build_views(self) -> dict[str, Entry]:
-        s, w, tp = self.spec, self.weights, self.tp
-        h, hd = s.hidden_size, s.head_dim
-        mesh = np.arange(tp)
-        col, row, rep = (Shard(0),), (Shard(1),), (Replicate(),)
-        out: dict[str, Entry] = {}
-
-        def put(name: str, local: torch.Tensor, shape, m: np.ndarray, placements: tuple[Placement, ...]) -> None:
-            out[name] = (DTensorRef(local, shape), m, placements)
-
-        put("model.embed_tokens.weight", w["model.embed_tokens.weight"], (s.vocab_size, h), mesh, col)
-        q_rows, kv_rows = self.heads * hd, self.kv_heads * hd
-        for layer in range(s.num_layers):
-            p = f"model.layers.{layer}"
-            a = f"{p}.self_attn"
-            put(f"{p}.input_layernorm.weight", w[f"{p}.input_layernorm.weight"], (h,), mesh, rep)
-            qkv = w[f"{a}.qkv_proj.weight"]
-            blocks = {"q": qkv[:q_rows], "k": qkv[q_rows:q_rows + kv_rows], "v": qkv[q_rows + kv_rows:]}
-            for which, local in blocks.items():
-                heads = s.num_heads if which == "q" else s.num_kv_heads
-                m, pl = qkv_layout(which, mesh, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-                                   grouped=self.qkv == "grouped")
-                if self.qkv == "grouped":
-                    local = grouped_local(local, num_kv_heads=s.num_kv_heads, tp=tp)
-                    shape = grouped_shape(which, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=hd,
-                                          trailing=(h,))
-                else:
-                    shape = (heads * hd, h)
-                put(f"{a}.{which}_proj.weight", local, shape, m, pl)
-            put(f"{a}.o_proj.weight", w[f"{a}.o_proj.weight"], (h, s.num_heads * hd), mesh, row)
-            if s.qk_norm:
-                put(f"{a}.q_norm.weight", w[f"{a}.q_norm.weight"], (hd,), mesh, rep)
-                put(f"{a}.k_norm.weight", w[f"{a}.k_norm.weight"], (hd,), mesh, rep)
-            put(f"{p}.post_attention_layernorm.weight", w[f"{p}.post_attention_layernorm.weight"], (h,), mesh, rep)
-            if s.is_moe_layer(layer):
-                put(f"{p}.mlp.gate.weight", w[f"{p}.mlp.gate.weight"], (s.num_experts, h), mesh, rep)
-                w13, w2 = w[f"{p}.mlp.experts.w13_weight"], w[f"{p}.mlp.experts.w2_weight"]
-                ie, il = s.moe_intermediate_size, self.e_inter
-                # under EP an expert lives whole on its owner: a one-rank mesh, nothing to cut
-                m, c, r = (np.array([self.rank]), rep, rep) if self.expert_parallel else (mesh, col, row)
-                for i, e in enumerate(self.experts):
-                    x = f"{p}.mlp.experts.{e}"
-                    put(f"{x}.gate_proj.weight", w13[i, :il], (ie, h), m, c)
-                    put(f"{x}.up_proj.weight", w13[i, il:], (ie, h), m, c)
-                    put(f"{x}.down_proj.weight", w2[i], (h, ie), m, r)
-            else:
-                gu = w[f"{p}.mlp.gate_up_proj.weight"]
-                put(f"{p}.mlp.gate_proj.weight", gu[:self.inter], (s.intermediate_size, h), mesh, col)
-                put(f"{p}.mlp.up_proj.weight", gu[self.inter:], (s.intermediate_size, h), mesh, col)
-                put(f"{p}.mlp.down_proj.weight", w[f"{p}.mlp.down_proj.weight"], (h, s.intermediate_size), mesh, row)
-        put("model.norm.weight", w["model.norm.weight"], (h,), mesh, rep)
-        if not s.tie_word_embeddings:
-            put("lm_head.weight", w["lm_head.weight"], (s.vocab_size, h), mesh, col)
-        return out
-
     def destinations(self, offset: int = 0) -> dict[str, Entry]:
         """``{canonical_name: (DTensorRef view, mesh, placements)}``, meshes in workers ``offset + 0..tp-1``."""
         return offset_entries(self._views, offset)
@@ -470,3 +337,87 @@ class EngineShard(EngineEndpoint):
         ep = ", expert_parallel" if self.expert_parallel else ""
         return (f"EngineShard({self.spec.name}, tp={self.tp}, rank={self.rank}, qkv={self.qkv}{ep}, "
                 f"version={self.version})")
+
+
+class EngineWorker(EngineShard):
+    """An engine shard shaped for ``refit.runtime.ray.RayFleet``: ``EngineWorker(shard=, worker=, workers_per_shard=)``.
+
+    ``config`` is an HF config or its ``to_dict()`` (transformers is not imported). A shard of
+    more than one worker needs its TP group: give ``tp_port`` (a ``StatelessProcessGroup``
+    rendezvous hosted by worker 0 of the shard), or call ``connect_tp`` later, e.g. after a
+    restart, with a fresh port. ``share_gpus=G`` puts worker ``w`` of shard ``s`` on GPU
+    ``(s + w) % G`` of the host (``shared_gpu``), so a shard's workers never share one.
+    """
+
+    def __init__(self, shard: int, worker: int, workers_per_shard: int, *, config: Any, qkv: str = "plain",
+                 tp_port: int | None = None, tp_addr: str = "127.0.0.1", threads: int = 1, device: str = "cpu",
+                 share_gpus: int | None = None, visible_devices: str | None = None, **kwargs: Any):
+        torch.set_num_threads(threads)
+        if share_gpus:  # a shard's workers on distinct GPUs (its TP group is NCCL), shards staggered
+            device = shared_gpu((shard + worker) % share_gpus, visible_devices)
+        elif torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device).index or 0)
+        kwargs["device"] = device
+        self.device = torch.device(device)  # _connect, below, runs before EngineShard.__init__ sets it
+        self.shard = shard
+        self._tp_group = None
+        comm = None
+        if workers_per_shard > 1 and tp_port is not None:
+            comm = self._connect(tp_addr, tp_port, worker, workers_per_shard)
+        super().__init__(EngineConfig.from_hf(config), tp_size=workers_per_shard, tp_rank=worker,
+                         comm=comm if comm is not None else _Unconnected(), qkv=qkv, **kwargs)
+        if workers_per_shard == 1:
+            self.comm = None
+
+    def _connect(self, addr: str, port: int, worker: int, workers: int) -> StatelessTPComm:
+        from refit.comm.group import StatelessProcessGroup
+
+        if self._tp_group is not None:
+            self._tp_group.abort()
+        cuda = self.device.type == "cuda"
+        self._tp_group = StatelessProcessGroup(addr, port, worker, workers, name=f"engine-tp/{self.shard}",
+                                               backend="nccl" if cuda else "gloo", device=self.device if cuda else None)
+        return StatelessTPComm(self._tp_group)
+
+    def connect_tp(self, port: int, addr: str = "127.0.0.1") -> None:
+        """(Re)build this shard's TP group; every worker of the shard calls it with the same port."""
+        self.comm = self._connect(addr, port, self.rank, self.tp)
+
+    def close(self) -> None:
+        """Abort this worker's TP group (idempotent)."""
+        if self._tp_group is not None:
+            self._tp_group.abort()
+            self._tp_group = None
+
+    def logits(self, prompt: Sequence[int], new_tokens: int = 4) -> dict:
+        """Logits and greedy tokens on ``prompt`` (collective over the shard's workers)."""
+        ids = torch.tensor([list(prompt)])
+        return {"logits": self.forward(ids).cpu(), "tokens": self.generate(ids, new_tokens).cpu(),
+                "version": self.version}
+
+
+class _Unconnected:
+    def all_reduce(self, t):
+        raise LayoutError("this engine shard's TP group is not connected: call connect_tp(port) on every worker")
+
+    all_gather = all_reduce
+
+
+def shared_gpu(index: int, visible_devices: str | None) -> str:
+    """Select GPU ``index`` in a process that Ray gave no GPU of its own; returns the device.
+
+    Ray hides every GPU from an actor that asked for none, but ranks that share GPUs (the
+    NIXL transport, whose CUDA IPC needs the peers' GPUs visible) must see them all:
+    ``visible_devices`` is the driver's ``CUDA_VISIBLE_DEVICES`` (None: every GPU). Must run
+    before this process touches CUDA.
+    """
+    if torch.cuda.is_initialized():
+        raise LayoutError("shared_gpu: CUDA is already initialised in this process; choose the GPU first")
+    if visible_devices is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if not 0 <= index < torch.cuda.device_count():
+        raise LayoutError(f"shared_gpu: GPU {index} requested, this process sees {torch.cuda.device_count()}")
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
