@@ -38,7 +38,7 @@ import torch
 
 from refit.comm.nccl import poll_until
 from refit.errors import TransportError
-from refit.plan.planner import Bucket, RankPlan
+from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_names
 from refit.transport.buckets import ChecksumLedger, align, direct_view, local_copies, pack_bucket, unpack_bucket
 
@@ -154,7 +154,7 @@ class Lanes:
 # -- staging ---------------------------------------------------------------------------------
 
 @dataclass
-class _Slot:
+class StagingSlot:
     start: int
     end: int
     fence: Fence | None = None  # its last reader; set once that reader is queued
@@ -175,7 +175,7 @@ class StagingArena:
         self.budget = int(budget_bytes)
         self.buf: torch.Tensor | None = None
         self.capacity = 0
-        self._live: deque[_Slot] = deque()
+        self._live: deque[StagingSlot] = deque()
         self.in_use = 0  # bytes of live slots (this run's and earlier runs' not yet reclaimed)
         self.peak = 0  # most bytes this run's slots held at once
         self._run = 0
@@ -187,7 +187,7 @@ class StagingArena:
         self._run_in_use = 0
         self.peak = 0
 
-    def _reclaim(self, slot: _Slot) -> None:
+    def _reclaim(self, slot: StagingSlot) -> None:
         self.in_use -= slot.end - slot.start
         if slot.run == self._run:
             self._run_in_use -= slot.end - slot.start
@@ -232,7 +232,7 @@ class StagingArena:
         # wrapped: live = [first, capacity) + [0, last); free = [last, first)
         return last if first - last >= n else None
 
-    def alloc(self, nbytes: int, lanes: Lanes) -> tuple[torch.Tensor, _Slot]:
+    def alloc(self, nbytes: int, lanes: Lanes) -> tuple[torch.Tensor, StagingSlot]:
         n = align(nbytes)
         if n > self.capacity:
             raise TransportError(f"staging: a {nbytes}-byte bucket does not fit the {self.capacity}-byte arena")
@@ -248,7 +248,7 @@ class StagingArena:
             for lane in ("pack", "comm"):
                 lanes.wait(lane, old.fence)
             self._reclaim(old)
-        slot = _Slot(start, start + n, run=self._run)
+        slot = StagingSlot(start, start + n, run=self._run)
         self._live.append(slot)
         self.in_use += n
         self._run_in_use += n
@@ -522,6 +522,6 @@ class StreamedExecutor(Executor):
 
 
 __all__ = [
-    "DEFAULT_GROUP_BYTES", "DEFAULT_STAGING_BUDGET", "Fence", "Lanes", "StagingArena", "StreamedExecutor",
+    "DEFAULT_GROUP_BYTES", "DEFAULT_STAGING_BUDGET", "Fence", "Lanes", "StagingArena", "StagingSlot", "StreamedExecutor",
     "arena_for", "release_staging",
 ]
