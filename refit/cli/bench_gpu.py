@@ -115,7 +115,7 @@ def _sync_barrier(group) -> None:
 
 def _make_plan(group, cfg, src, dst, bucket_bytes: int, direct_bytes: int | None = None):
     from refit import Replicate
-    from refit.plan.planner import RosterEntry, build_rank_plan, merge_rosters
+    from refit.plan import RosterEntry, build_rank_plan, merge_rosters
     from refit.layout import dtype_name
 
     mine = [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [0], [Replicate()], "src") for n, t in src.items()]
@@ -137,7 +137,7 @@ def _make_plan(group, cfg, src, dst, bucket_bytes: int, direct_bytes: int | None
 
 def _repack(plan, direct_bytes: int, bucket_bytes: int):
     """The same ops cut into buckets with another direct threshold (both ends do the same)."""
-    from refit.plan.planner import RankPlan, pack_buckets
+    from refit.plan import RankPlan, pack_buckets
 
     def cut(ops):
         by_peer = {}
@@ -154,14 +154,14 @@ def _repack(plan, direct_bytes: int, bucket_bytes: int):
 def _breakdown(group, plan, src, dst, kw, n: int = 3) -> dict:
     """Where one synced refit's time goes: host setup / first group queued / all queued, and on
     the GPU: idle before the first NCCL group, first group start to last group end."""
-    from refit.transport.rounds import PlanExecutor
+    from refit.transport.factory import make_executor
 
     dev = _device(group)
     rows = []
     for _ in range(n):
         _sync_barrier(group)
         t = time.perf_counter()
-        st = PlanExecutor(plan, group, pipeline="streamed", timing=True, **kw).run(src, dst)
+        st = make_executor(plan, group, transport="streamed", timing=True, **kw).run(src, dst)
         _sync(dev)
         total = time.perf_counter() - t
         row = {"total_s": total, **{k: v for k, v in st.timing.items() if k != "events"}}
@@ -212,7 +212,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     import torch
 
     from refit.transport.streamed import release_staging
-    from refit.transport.rounds import PlanExecutor
+    from refit.transport.factory import make_executor
     from refit.transport.xfer import xferdtensor_golden
     from refit import DTensorRef, Replicate
 
@@ -238,7 +238,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     _sync(dev)
 
     def refit_runner(plan, s, d, **kw):
-        ex = PlanExecutor(plan, group, pipeline="streamed", **kw)
+        ex = make_executor(plan, group, transport="streamed", **kw)
         return lambda: ex.run(s, d)
 
     # --- refit, main configuration, verified
@@ -249,7 +249,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     kw = dict(staging_budget_bytes=budget, group_bytes=cfg["group_mib"] * MIB)
     for d in dst.values():
         d.fill_(float("nan"))
-    st = PlanExecutor(plan, group, pipeline="streamed", **kw).run(src, dst)
+    st = make_executor(plan, group, transport="streamed", **kw).run(src, dst)
     out["refit_first_s"] = st.seconds
     out["refit_groups"] = st.groups
     out["refit_zero_copy"] = st.zero_copy_buckets
@@ -262,7 +262,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     for d in dst.values():
         d.fill_(float("nan"))
     _sync_barrier(group)
-    PlanExecutor(plan, group, pipeline="streamed", **kw).run(src, dst)
+    make_executor(plan, group, transport="streamed", **kw).run(src, dst)
     out["verify_refit_fresh"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
 
     out["refit_breakdown"] = _breakdown(group, plan, src, dst, kw)
@@ -303,7 +303,7 @@ def _bench_rank(group, cfg: dict) -> dict:
                           "rounds": p.num_rounds, "ops": len(p.sends) + len(p.recvs), **res})
         for d in dst.values():  # the last (all-packed) variant lands the same bytes
             d.fill_(float("nan"))
-        PlanExecutor(p, group, pipeline="streamed", staging_budget_bytes=budget).run(src, dst)
+        make_executor(p, group, transport="streamed", staging_budget_bytes=budget).run(src, dst)
         out["verify_repacked"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
     out["sweep"] = sweep
 
@@ -346,7 +346,7 @@ def _bench_rank(group, cfg: dict) -> dict:
             torch.cuda.reset_peak_memory_stats(dev)
         peaks, allocs = [], []
         for _ in range(n):
-            s_ = PlanExecutor(plan_, group, pipeline="streamed", **kw).run(src_, dst_)
+            s_ = make_executor(plan_, group, transport="streamed", **kw).run(src_, dst_)
             peaks.append(s_.peak_staging_bytes)
             allocs.append(_allocated(dev))
         peak_alloc = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else 0
@@ -380,7 +380,7 @@ def _bench_rank(group, cfg: dict) -> dict:
         plan32, _ = _make_plan(group, cfg, src32, dst, cfg["bucket32_mib"] * MIB)
         for d in dst.values():
             d.fill_(float("nan"))
-        st = PlanExecutor(plan32, group, pipeline="streamed", **kw).run(src32, dst)
+        st = make_executor(plan32, group, transport="streamed", **kw).run(src32, dst)
         out["verify_fp32"] = _verify(group, model, dst, cfg["seed"] + 11, fp32)
         out["fp32"] = _timed_loop(group, refit_runner(plan32, src32, dst, sync=False, **kw), cfg["iters"])
         out["fp32_rounds"] = plan32.num_rounds
