@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from refit.layout import dtype_from_name, region_numel, region_overlap_numel, shard_region
-from refit.plan.planner import ParamIndex, RankPlan, TensorLayout, wire_dtype
+from refit.plan import ParamIndex, RankPlan, TensorLayout, wire_dtype
 
 PORTS = ("nic_out", "nic_in", "nvl_out", "nvl_in")
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from refit.errors import PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
-from refit.plan.planner import DEFAULT_BUCKET_BYTES, merge_rosters
+from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.control.errors import NoAbsentShard, RefitWorkerError
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import _settle_before_propagating, brief, wait_any

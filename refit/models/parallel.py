@@ -38,7 +38,7 @@ import numpy as np
 from refit.errors import LayoutError
 from refit.layout import Placement, Replicate, Shard
 from refit.models.specs import ModelSpec, ParamShape
-from refit.plan.planner import ParamIndex, ParamSpec, RosterEntry, TensorLayout
+from refit.plan import ParamIndex, ParamSpec, RosterEntry, TensorLayout
 
 
 def _parse(text: str, allowed: Iterable[str], what: str) -> dict[str, int]:

@@ -36,7 +36,7 @@ from refit.layout import (
     dtype_name,
     region_shape,
 )
-from refit.plan.planner import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout
+from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
 from refit.transport.factory import make_executor

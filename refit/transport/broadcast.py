@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from refit.layout import Region, dtype_from_name, intersect_regions, region_shape
-from refit.plan.planner import ParamIndex, source_shards
+from refit.plan import ParamIndex, source_shards
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of
 from refit.transport.buckets import ChecksumLedger, flat_bytes
 

@@ -12,7 +12,7 @@ from typing import Mapping
 import torch
 
 from refit.layout import dtype_from_name
-from refit.plan.planner import Bucket, Op, RankPlan
+from refit.plan import Bucket, Op, RankPlan
 
 ALIGN = 256  # staging slots and checksum rows are cut on this grain (the plan's op alignment)
 _ROW_WORDS = ALIGN // 8

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from refit.errors import PlanError
-from refit.plan.planner import RankPlan
+from refit.plan import RankPlan
 from refit.transport.base import Executor
 from refit.transport.broadcast import BroadcastExecutor, BroadcastPlan
 from refit.transport.fanout import FanoutExecutor

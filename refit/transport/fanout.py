@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from refit.plan.planner import RankPlan
+from refit.plan import RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
 
 

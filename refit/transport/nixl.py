@@ -65,7 +65,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from refit.errors import PlanError, RefitError, TransportError
-from refit.plan.planner import Bucket, RankPlan
+from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
 from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, pack_bucket, unpack_bucket
 from refit.runtime.watchdog import RefitAborted

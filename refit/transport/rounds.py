@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from refit.errors import PlanError
-from refit.plan.planner import Bucket, RankPlan
+from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_names
 from refit.transport.buckets import (
     ChecksumLedger,

@@ -22,7 +22,7 @@ from refit.layout import (
     local_tensor_of,
     region_shape,
 )
-from refit.plan.planner import (
+from refit.plan import (
     DEFAULT_BUCKET_BYTES,
     PlanCache,
     RosterEntry,

@@ -19,7 +19,7 @@ from refit.models import (
 )
 from refit.models.parallel import LayoutBuilder, node_map
 from refit.models.specs import ModelSpec
-from refit.plan.planner import merge_rosters
+from refit.plan import merge_rosters
 
 
 @pytest.mark.parametrize("name, params, tensors", [
