@@ -20,7 +20,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import refit  # noqa: E402
-from refit.runtime.ray import RayFleet, RayWorker, SyntheticEngine, SyntheticTrainer  # noqa: E402
+from refit.runtime.ray import RayFleet, RayWorker  # noqa: E402
+from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer  # noqa: E402
 from refit.membership import NoSurvivingShards  # noqa: E402
 from refit.control import NoAbsentShard, RefitVerificationError  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 
 import refit
 from refit.errors import PlanError
-from refit.runtime.ray import SyntheticEngine, SyntheticTrainer, _engine_placement, synthetic_shapes
+from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, engine_placement, synthetic_shapes
 from refit.membership import NoSurvivingShards
 from refit.control import (
     NoAbsentShard,
@@ -91,7 +91,7 @@ def test_reshard_moves_fewer_bytes_than_the_broadcast_baseline(synced):
         set_step(trainers, 7)
         moved[cls.mode] = sync.sync_weights().bytes  # builds on first use
     # every engine element exactly once per replica that holds it: bf16, 3 shards of 2 workers
-    wire = sum(torch.Size(shape).numel() * (2 if isinstance(_engine_placement(name), refit.Replicate) else 1)
+    wire = sum(torch.Size(shape).numel() * (2 if isinstance(engine_placement(name), refit.Replicate) else 1)
                for name, shape in synthetic_shapes(HIDDEN).items()) * 2 * 3
     assert moved["reshard"] == wire
     assert moved["broadcast"] > 2 * moved["reshard"]

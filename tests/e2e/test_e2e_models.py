@@ -16,17 +16,10 @@ import torch
 pytest.importorskip("transformers")
 
 from refit.testing.launch import LocalFleet  # noqa: E402
-from refit.models.engine import EngineConfig, random_canonical_state  # noqa: E402
-from refit.models.hf import (  # noqa: E402
-    Topology,
-    build_model,
-    greedy,
-    hf_from_canonical,
-    megatron_check_worker,
-    refit_check_worker,
-    tiny_llama_config,
-    tiny_qwen3_moe_config,
-)
+from refit.models.hf import hf_from_canonical  # noqa: E402
+from refit.testing.checks import Topology, megatron_check_worker, refit_check_worker  # noqa: E402
+from refit.testing.engine import EngineConfig, random_canonical_state  # noqa: E402
+from refit.testing.hf import build_model, greedy, tiny_llama_config, tiny_qwen3_moe_config  # noqa: E402
 from refit.models.parallel import TrainParallel  # noqa: E402
 
 PROMPT = [3, 17, 42, 5, 99, 1, 64, 23]

@@ -32,7 +32,7 @@ CASES = [  # both ranks send and receive (NCCL deadlocks here unless sends and r
 
 @pytest.fixture(scope="module")
 def fleet():
-    from refit.cli.bench_gpu import DeviceFleet
+    from refit.testing.launch import DeviceFleet
 
     with DeviceFleet(2, init_timeout_s=60) as f:
         yield f
@@ -122,7 +122,7 @@ def test_vllm_peer_protocol(fleet):
 def test_synchronizer_picks_nccl_and_refits_exactly(cls):
     """Trainer on GPU 0, one engine on GPU 1, driven in-process: the backend follows the tensors."""
     import refit
-    from refit.runtime.ray import SyntheticEngine, SyntheticTrainer
+    from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
     trainers = [SyntheticTrainer(0, 1, hidden=64, device="cuda:0")]
     engines = [[SyntheticEngine(0, 0, 1, hidden=64, device="cuda:1")]]
@@ -142,7 +142,7 @@ def test_synchronizer_picks_nccl_and_refits_exactly(cls):
 def test_two_ranks_on_one_gpu_are_refused_naming_them():
     import refit
     from refit.errors import PlanError
-    from refit.runtime.ray import SyntheticEngine, SyntheticTrainer
+    from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
     trainers = [SyntheticTrainer(0, 1, hidden=64, device="cuda:0")]
     engines = [[SyntheticEngine(s, 0, 1, hidden=64, device="cuda:1")] for s in range(2)]
@@ -161,7 +161,7 @@ def test_nixl_synchronizer_on_gpus_loses_a_shard_and_readmits_it():
     engine must reload a peer agent it already knows with new metadata (NIXL refuses to load
     an agent twice: it has to be dropped first)."""
     import refit
-    from refit.runtime.ray import SyntheticEngine, SyntheticTrainer
+    from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
     from refit.transport.nixl import nixl_available
 
     if not nixl_available():

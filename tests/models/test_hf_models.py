@@ -18,19 +18,16 @@ pytest.importorskip("transformers")
 
 from refit.errors import LayoutError  # noqa: E402
 from refit.layout import Replicate, Shard, StridedShard, mesh_coords_of, shard_slices  # noqa: E402
-from refit.models.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state  # noqa: E402
 from refit.models.hf import (  # noqa: E402
-    build_model,
     canonical_from_hf,
     dtensor_entries,
-    greedy,
     hf_from_canonical,
     lift_placements,
     narrow_entry,
     select_entry,
-    tiny_llama_config,
-    tiny_qwen3_moe_config,
 )
+from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state  # noqa: E402
+from refit.testing.hf import build_model, greedy, tiny_llama_config, tiny_qwen3_moe_config  # noqa: E402
 
 PROMPT = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 23]])
 

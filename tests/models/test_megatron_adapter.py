@@ -17,10 +17,9 @@ import torch
 
 from refit.errors import LayoutError, PlanError
 from refit.layout import intersect_regions, mesh_coords_of, shard_region, shard_slices
-from refit.models.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state
+from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state
 from refit.models.megatron import (
     MegatronLayout,
-    MegatronTrainerEndpoint,
     from_grouped,
     grouped_local,
     megatron_to_canonical,
@@ -29,6 +28,7 @@ from refit.models.megatron import (
 )
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec
+from refit.testing.megatron import MegatronTrainerEndpoint
 from refit.plan.planner import RosterEntry, TensorLayout, merge_rosters
 from refit.layout import dtype_name
 

@@ -5,7 +5,7 @@ import torch
 
 import refit
 from refit.errors import LayoutError
-from refit.runtime.ray import SyntheticEngine, SyntheticTrainer, synthetic_param, synthetic_shapes
+from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, synthetic_param, synthetic_shapes
 from refit.runtime.endpoint import LocalShard, as_local_shard, process_resources
 
 
