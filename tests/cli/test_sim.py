@@ -7,16 +7,15 @@ import math
 
 import numpy as np
 import pytest
+from helpers.layouts import rosters_for
+from helpers.plans import WORLD, scenarios
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refit import Replicate, Shard
 from refit.cli import main
-from refit.plan.planner import build_rank_plan, merge_rosters
 from refit.cli.sim import Topology, balance, lower_bound, simulate, traffic_of
-
-from layouts import rosters_for
-from test_plan import WORLD, scenarios
+from refit.plan import build_rank_plan, merge_rosters
 
 TOPO = Topology(gpus_per_node=4, nvlink_gbps=400.0, nic_gbps=50.0, latency_us=0.0)  # 8 ranks: two nodes
 

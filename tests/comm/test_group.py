@@ -1,4 +1,4 @@
-"""The stateless process group (gloo here; NCCL in test_gpu.py) and the streamed transport on CPU."""
+"""The stateless process group on gloo (NCCL in gpu/test_gpu.py): collectives, split groups, abort, arguments."""
 
 from __future__ import annotations
 
@@ -8,20 +8,12 @@ import types
 
 import pytest
 import torch
+from helpers import comm_jobs
 
-import comm_jobs
 from refit.comm.group import StatelessProcessGroup, _pickle_vllm_unique_id, free_port
 from refit.errors import RefitError
-from refit.testing.launch import LocalFleet
-from refit.transport.streamed import ALIGN, Lanes, StagingArena, _Slot
 
-WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    with LocalFleet(WORLD) as f:
-        yield f
+WORLD = FLEET_SIZE = 4
 
 
 def test_gloo_basics(fleet):
@@ -30,44 +22,6 @@ def test_gloo_basics(fleet):
         assert o["gathered"] == [{"rank": i} for i in range(WORLD)]
         assert o["broadcast"] == [float(WORLD - 1)] * 3
         assert o["ring"] == [10.0 + (r - 1) % WORLD] * 4
-
-
-@pytest.mark.parametrize("pipeline", ["streamed", "rounds"])
-def test_plan_matches_on_gloo(fleet, pipeline):
-    """Mixed layouts, casts, fan-out, traffic both ways, local copies and a strided destination,
-    three refits with fresh data; the streamed path with a staging arena small enough to wrap."""
-    cfg = {"pipeline": pipeline, "bucket_bytes": 256, "iters": 3, "strided_dst": ["f", "a"]}
-    if pipeline == "streamed":
-        cfg.update(staging_budget_bytes=8 << 10, group_bytes=2 << 10)
-    out = fleet.run(comm_jobs.reshard_model, cfg, timeout_s=120)
-    for o in out:
-        assert o["ok"] == [True, True, True], o["rank"]
-    if pipeline == "streamed":
-        for o in out:
-            caps = {s["capacity"] for s in o["stats"]}
-            assert all(c <= 8 << 10 for c in caps), caps
-            assert all(s["peak_staging"] <= s["capacity"] for s in o["stats"])
-            assert len(caps) == 1, "staging does not grow across refits"
-        assert sum(o["stats"][0]["groups"] for o in out) > WORLD, "rounds were split into several windows"
-
-
-def test_streamed_budget_too_small_is_a_clear_error(fleet):
-    cfg = {"pipeline": "streamed", "bucket_bytes": 1024, "iters": 1, "staging_budget_bytes": 512}
-    with pytest.raises(Exception, match="staging_budget_bytes=512"):
-        fleet.run(comm_jobs.reshard_model, cfg, timeout_s=60)
-
-
-def test_streamed_verify_detects_a_corrupted_bucket(fleet):
-    base = {"pipeline": "streamed", "bucket_bytes": 256, "iters": 1, "verify": True}
-    clean = fleet.run(comm_jobs.reshard_model, base, timeout_s=60)
-    sent = {(o["rank"], p, i): v for o in clean for (p, i), v in o["stats"][0]["sums_sent"].items()}
-    got = {(p, o["rank"], i): v for o in clean for (p, i), v in o["stats"][0]["sums_received"].items()}
-    assert sent and sent == got
-    target = sorted(sent)[0]  # (sender, receiver, bucket)
-    bad = fleet.run(comm_jobs.reshard_model, dict(base, corrupt=list(target)), timeout_s=60)
-    sent = {(o["rank"], p, i): v for o in bad for (p, i), v in o["stats"][0]["sums_sent"].items()}
-    got = {(p, o["rank"], i): v for o in bad for (p, i), v in o["stats"][0]["sums_received"].items()}
-    assert [k for k in sent if sent[k] != got[k]] == [target]
 
 
 def test_split_children_are_aborted_first(fleet):
@@ -134,56 +88,3 @@ def test_vllm_unique_id_wire_format(monkeypatch):
     assert _pickle_vllm_unique_id(raw) == blob, "with vLLM loaded, its own type gives the same bytes"
     with pytest.raises(RefitError, match="128 bytes"):
         _pickle_vllm_unique_id(b"short")
-
-
-def test_staging_arena_ring_waits_for_readers():
-    """Slots are reused oldest first, and only after every writing lane waited on the reader."""
-    waited = []
-
-    class FakeLanes(Lanes):
-        def __init__(self):
-            self.cuda = False
-
-        def wait(self, name, fence):
-            waited.append((name, fence))
-
-        def host_wait(self, fence, what=""):
-            waited.append(("host", fence))
-
-    lanes = FakeLanes()
-    arena = StagingArena(torch.device("cpu"), 4 * ALIGN)
-    arena.ensure(4 * ALIGN, lanes)
-    v1, s1 = arena.alloc(ALIGN, lanes)
-    v2, s2 = arena.alloc(2 * ALIGN - 10, lanes)
-    assert (s1.start, s2.start) == (0, ALIGN) and v2.numel() == 2 * ALIGN - 10
-    s1.fence, s2.fence = "f1", "f2"
-    v3, s3 = arena.alloc(ALIGN, lanes)  # fits at the tail, no wait
-    assert s3.start == 3 * ALIGN and waited == []
-    s3.fence = "f3"
-    _, s4 = arena.alloc(ALIGN, lanes)  # wraps to 0: reclaims slot 1
-    assert s4.start == 0 and waited == [("pack", "f1"), ("comm", "f1")]
-    _, s5 = arena.alloc(2 * ALIGN, lanes)  # needs slot 2's region too
-    assert s5.start == ALIGN and ("comm", "f2") in waited
-    with pytest.raises(Exception, match="one window needs more"):
-        arena.alloc(2 * ALIGN, lanes)  # s4 and s5 are unfenced (the current window)
-    assert arena.peak <= arena.capacity
-    with pytest.raises(Exception, match="exceed staging_budget_bytes"):
-        arena.ensure(8 * ALIGN, lanes)
-    assert isinstance(_Slot(0, 1), _Slot)
-
-
-def test_gpu_benchmark_flow_runs_on_cpu():
-    """The GPU benchmark's whole flow (plans, fused views, baselines, golden, hygiene, summary) on a
-    tiny model over gloo: what the one device call will run, minus NCCL."""
-    from refit.cli import bench_gpu
-    tiny = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 96, "vocab": 128}
-    cfg = dict(bench_gpu._cfg(object()), layers=2, model=tiny, iters=2, refits=3, bucket_mib=1, bucket32_mib=1,
-               group_mib=1, staging_mib=1)
-    with LocalFleet(2) as f:
-        r0, r1 = f.run(bench_gpu._bench_rank, cfg, timeout_s=120)
-    s = bench_gpu.summarize(r0, r1, {"release_s": 0.0, "abort_call_s": 0.0, "error": "n/a"})
-    assert all(s["verified"].values()), s["verify_failures"]
-    assert s["hygiene_fp32_src"]["peak_staging_bytes"] <= s["hygiene_fp32_src"]["budget"]
-    assert s["hygiene_fp32_src"]["capacity"] <= 1 << 20
-    assert r1["fused_params"] < r1["tensors"]
-    bench_gpu.print_table(s)

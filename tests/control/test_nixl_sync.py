@@ -15,9 +15,9 @@ if not nixl_available():
 
 import refit  # noqa: E402
 from refit.comm.group import StatelessProcessGroup  # noqa: E402
+from refit.control import RefitVerificationError  # noqa: E402
 from refit.errors import RefitError  # noqa: E402
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer  # noqa: E402
-from refit.control import RefitVerificationError  # noqa: E402
 
 HIDDEN = 48
 

@@ -20,10 +20,10 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import refit  # noqa: E402
+from refit.control import NoAbsentShard, RefitVerificationError  # noqa: E402
+from refit.membership import NoSurvivingShards  # noqa: E402
 from refit.runtime.ray import RayFleet, RayWorker  # noqa: E402
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer  # noqa: E402
-from refit.membership import NoSurvivingShards  # noqa: E402
-from refit.control import NoAbsentShard, RefitVerificationError  # noqa: E402
 
 TIMEOUT_S = 6.0  # refit_timeout_s: every worker's deadline for one transfer
 GRACE_S = 2.0

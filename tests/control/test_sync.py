@@ -14,9 +14,6 @@ import pytest
 import torch
 
 import refit
-from refit.errors import PlanError
-from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, engine_placement, synthetic_shapes
-from refit.membership import NoSurvivingShards
 from refit.control import (
     NoAbsentShard,
     RefitVerificationError,
@@ -24,7 +21,10 @@ from refit.control import (
     WeightSynchronizer,
     _settle_before_propagating,
 )
+from refit.errors import PlanError
+from refit.membership import NoSurvivingShards
 from refit.runtime.endpoint import LocalWorker, WorkerDied, _LocalPending
+from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, engine_placement, synthetic_shapes
 
 SYNCS = [refit.ReshardWeightSynchronizer, refit.CollectiveWeightSynchronizer]
 HIDDEN = 48

@@ -15,12 +15,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from refit.testing.launch import LocalFleet  # noqa: E402
 from refit.models.hf import hf_from_canonical  # noqa: E402
+from refit.models.parallel import TrainParallel  # noqa: E402
 from refit.testing.checks import Topology, megatron_check_worker, refit_check_worker  # noqa: E402
 from refit.testing.engine import EngineConfig, random_canonical_state  # noqa: E402
 from refit.testing.hf import build_model, greedy, tiny_llama_config, tiny_qwen3_moe_config  # noqa: E402
-from refit.models.parallel import TrainParallel  # noqa: E402
 
 PROMPT = [3, 17, 42, 5, 99, 1, 64, 23]
 STEPS = 2
@@ -31,13 +30,8 @@ TOL = 1e-5
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    f = LocalFleet(7)
-    try:
-        yield f
-    finally:
-        f.close(kill=True)  # nothing to flush; a graceful close waits ~10 s for gloo teardown
+FLEET_SIZE = 7
+FLEET_KILL_ON_CLOSE = True  # nothing to flush; a graceful close waits ~10 s for gloo teardown
 
 
 def engine_reports(results, topo):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import comm_jobs
 
-import comm_jobs
 from refit import Replicate as R
 from refit import Shard as S
 from refit.comm.group import free_port

@@ -13,11 +13,10 @@ import time
 import numpy as np
 import torch
 
+from helpers.layouts import full_tensor, local_slice, rosters_for
 from refit import Replicate, Shard
-from refit.plan.planner import build_rank_plan, merge_rosters
+from refit.plan import build_rank_plan, merge_rosters
 from refit.transport.factory import make_executor
-
-from layouts import local_slice, rosters_for
 
 S, R = Shard, Replicate
 
@@ -43,11 +42,6 @@ def mixed_params(world: int) -> list[tuple]:
         ("f", (64, 32), ([1], [R()], "float32"), [([0], [R()], "float32")]),
         ("g", (40, 16), ([[0, 1], [2, 3]], [R(), S(0)], "bfloat16"), [([3, 1], [S(1)], "float32")]),
     ]
-
-
-def _full(shape, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
 
 
 def _strided_like(shape, dtype, device):
@@ -99,7 +93,7 @@ def reshard_model(group, cfg: dict) -> dict:
     for it in range(cfg.get("iters", 3)):
         expect = {}
         for name, (shape, sm, sp, sdt, dsts) in meta.items():
-            full = _full(shape, 1000 * it + sum(map(ord, name)))
+            full = full_tensor(shape, 1000 * it + sum(map(ord, name)))
             if name in src:
                 src[name].copy_(local_slice(full.to(sdt), sm, sp, group.rank))
             for dm, dp, ddt in dsts:
@@ -331,7 +325,7 @@ def xfer_cuda(group, cases: list[dict]) -> list:
         shape = tuple(case["shape"])
         sm, dm = np.array(case["src_mesh"]), np.array(case["dst_mesh"])
         sdt, ddt = getattr(torch, case["src_dtype"]), getattr(torch, case["dst_dtype"])
-        full = _full(shape, case["seed"]).to(sdt)
+        full = full_tensor(shape, case["seed"]).to(sdt)
         src_local = local_slice(full, sm, case["src_pl"], group.rank)
         want = local_slice(full.to(ddt), dm, case["dst_pl"], group.rank)
         src = refit.DTensorRef(src_local.to(dev), shape) if src_local is not None else None
@@ -360,7 +354,7 @@ def torch_group_nccl(group, port: int, cases: list[dict]) -> list:
         for case in cases:
             shape = tuple(case["shape"])
             sm, dm = np.array(case["src_mesh"]), np.array(case["dst_mesh"])
-            full = _full(shape, case["seed"]).to(getattr(torch, case["src_dtype"]))
+            full = full_tensor(shape, case["seed"]).to(getattr(torch, case["src_dtype"]))
             src_local = local_slice(full, sm, case["src_pl"], group.rank)
             want = local_slice(full.to(getattr(torch, case["dst_dtype"])), dm, case["dst_pl"], group.rank)
             src = refit.DTensorRef(src_local.to(dev), shape) if src_local is not None else None

@@ -9,7 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from refit.layout import Replicate, Shard, shard_region
-from refit.plan.planner import RosterEntry
+from refit.plan import RosterEntry
 
 
 @st.composite
@@ -39,6 +39,12 @@ def placements_for(draw, mesh_ndim: int, tensor_ndim: int):
 def shapes(draw, max_ndim: int = 3, max_size: int = 9):
     ndim = draw(st.integers(0, max_ndim))
     return tuple(draw(st.integers(0, max_size)) for _ in range(ndim))
+
+
+def full_tensor(shape, seed: int) -> torch.Tensor:
+    """The whole tensor a test's sources hold a slice of: float64 noise from ``seed`` (a 0-d one is ``seed``)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64) if len(shape) else torch.tensor(float(seed))
 
 
 def local_slice(full: torch.Tensor, mesh: np.ndarray, placements, rank: int) -> torch.Tensor | None:

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from layouts import local_slice
+from helpers.layouts import full_tensor, local_slice
+from refit.plan import RosterEntry, build_rank_plan, merge_rosters
 from refit.testing.launch import serve_requests
-from refit.plan.planner import RosterEntry, build_rank_plan, merge_rosters
 
 _S: dict[str, Any] = {}
 
@@ -67,11 +67,6 @@ def collectives() -> int:
 
 # -- cases ------------------------------------------------------------------------------------------
 
-def _full(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64) if len(shape) else torch.tensor(float(seed))
-
-
 def _dsts(p, members=None):
     """A param's destination layouts: ``dsts`` (a list of {mesh, pl, dtype}) or one ``dst_*``
     layout; with ``members``, only the layouts whose ranks are all members."""
@@ -104,7 +99,7 @@ def _dst_layout(p, rank, members):
 def _slices(case, rank, step, members):
     src, want = {}, {}
     for p in case["params"]:
-        full = _full(p["shape"], p["seed"] + 7919 * step).to(getattr(torch, p["src_dtype"]))
+        full = full_tensor(p["shape"], p["seed"] + 7919 * step).to(getattr(torch, p["src_dtype"]))
         s = local_slice(full, np.array(p["src_mesh"]), p["src_pl"], rank)
         if s is not None:
             src[p["name"]] = s

@@ -6,19 +6,14 @@ import numpy as np
 import torch
 
 import refit
-from layouts import local_slice
-
-
-def _full(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64) if len(shape) else torch.tensor(float(seed))
+from helpers.layouts import full_tensor, local_slice
 
 
 def reshard(group, case, use_default_group=False):
     shape, seed = case["shape"], case["seed"]
     sm, sp, dm, dp = np.array(case["src_mesh"]), case["src_pl"], np.array(case["dst_mesh"]), case["dst_pl"]
     sdt, ddt = getattr(torch, case["src_dtype"]), getattr(torch, case["dst_dtype"])
-    full = _full(shape, seed).to(sdt)
+    full = full_tensor(shape, seed).to(sdt)
     src_local = local_slice(full, sm, sp, group.rank)
     want = local_slice(full.to(ddt), dm, dp, group.rank)
     src = refit.DTensorRef(src_local, shape) if src_local is not None else None

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from refit.errors import LayoutError, PlanError
-from refit.layout import intersect_regions, mesh_coords_of, shard_region, shard_slices
-from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state
+from refit.layout import dtype_name, intersect_regions, mesh_coords_of, shard_region, shard_slices
 from refit.models.megatron import (
     MegatronLayout,
     from_grouped,
@@ -28,9 +27,9 @@ from refit.models.megatron import (
 )
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec
+from refit.plan import RosterEntry, TensorLayout, merge_rosters
+from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state
 from refit.testing.megatron import MegatronTrainerEndpoint
-from refit.plan.planner import RosterEntry, TensorLayout, merge_rosters
-from refit.layout import dtype_name
 
 
 def dense_spec(groups: int, ratio: int, *, layers: int = 3, vocab: int = 32) -> ModelSpec:

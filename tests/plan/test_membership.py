@@ -1,7 +1,8 @@
 import itertools
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from refit.membership import (
     NoSurvivingShards,

@@ -9,15 +9,19 @@ import os
 import time
 
 import pytest
+from helpers.layouts import rosters_for
+from helpers.plans import WORLD, scenarios
 from hypothesis import given, settings
 
-from refit.layout import intersect_regions, region_numel, region_overlap_numel
+from refit.cli.sim import Topology, lower_bound, simulate, traffic_of
+from refit.layout import dtype_from_name, intersect_regions, region_numel, region_overlap_numel, region_shape
 from refit.models import MODELS, build_index, parse_engine, parse_train
 from refit.models.parallel import node_map
-from refit.plan.planner import (
+from refit.plan import (
+    LayoutGeometry as _LayoutGeometry,
+)
+from refit.plan import (
     PlanStats,
-    _contiguous,
-    _LayoutGeometry,
     build_rank_plan,
     merge_rosters,
     reset_planner_cache,
@@ -25,11 +29,9 @@ from refit.plan.planner import (
     task_id,
     wire_dtype,
 )
-from refit.layout import dtype_from_name, region_shape
-from refit.cli.sim import Topology, lower_bound, simulate, traffic_of
-
-from layouts import rosters_for
-from test_plan import WORLD, scenarios
+from refit.plan import (
+    contiguous as _contiguous,
+)
 
 # Timing targets hold on an idle 2-core machine; a loaded CI host gets this much slack.
 SLACK = float(os.environ.get("REFIT_TIMING_SLACK", "2.0"))

@@ -5,8 +5,8 @@ import torch
 
 import refit
 from refit.errors import LayoutError
-from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, synthetic_param, synthetic_shapes
 from refit.runtime.endpoint import LocalShard, as_local_shard, process_resources
+from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, synthetic_param, synthetic_shapes
 
 
 def test_local_shard_forms():

@@ -21,8 +21,9 @@ from refit.transport.nixl import nixl_available
 if not nixl_available():
     pytest.skip("NIXL is not installed (pip install 'refit[nixl]')", allow_module_level=True)
 
-import nixl_jobs as J  # noqa: E402
-from layouts import meshes, placements_for, shapes  # noqa: E402
+from helpers import nixl_jobs as J  # noqa: E402
+from helpers.layouts import meshes, placements_for, shapes  # noqa: E402
+
 from refit import Replicate, Shard  # noqa: E402
 
 WORLD = 4

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from refit.transport import nixl
+
+
 @pytest.mark.parametrize("tls, want", [
     (None, None),
     ("", ""),

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import xfer_jobs
+from helpers.layouts import meshes, placements_for, shapes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refit.comm.group import free_port
 from refit.testing.launch import LocalFleet
 
-import xfer_jobs
-from layouts import meshes, placements_for, shapes
-
-WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    with LocalFleet(WORLD) as f:
-        yield f
+WORLD = FLEET_SIZE = 4
 
 
 @st.composite
@@ -61,7 +54,7 @@ BAD = {
     "shard_dim": r"tensor \(dst on rank 2\): Shard\(2\) shards dim 2 of a 2-d tensor",
     "outside_group": r"dst_mesh: rank\(s\) \[9\] outside the process group of world size 4",
     "duplicate": r"rank\(s\) \[2\] listed more than once",
-    "local_shape": r"dst_tensor: rank 2 holds a local tensor of shape \[3, 4\], but dst_placement",
+    "local_shape": r"dst_tensor / dst_placement: tensor: rank 2.s local dst tensor has shape \[3, 4\], but .*gives it \[4, 4\]",
 }
 
 

@@ -1,0 +1,22 @@
+"""`refit bench-gpu`'s per-rank flow on CPU over gloo."""
+
+from __future__ import annotations
+
+from refit.testing.launch import LocalFleet
+
+
+def test_gpu_benchmark_flow_runs_on_cpu():
+    """The GPU benchmark's whole flow (plans, fused views, baselines, golden, hygiene, summary) on a
+    tiny model over gloo: what the one device call will run, minus NCCL."""
+    from refit.cli import bench_gpu
+    tiny = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 96, "vocab": 128}
+    cfg = dict(bench_gpu._cfg(object()), layers=2, model=tiny, iters=2, refits=3, bucket_mib=1, bucket32_mib=1,
+               group_mib=1, staging_mib=1)
+    with LocalFleet(2) as f:
+        r0, r1 = f.run(bench_gpu._bench_rank, cfg, timeout_s=120)
+    s = bench_gpu.summarize(r0, r1, {"release_s": 0.0, "abort_call_s": 0.0, "error": "n/a"})
+    assert all(s["verified"].values()), s["verify_failures"]
+    assert s["hygiene_fp32_src"]["peak_staging_bytes"] <= s["hygiene_fp32_src"]["budget"]
+    assert s["hygiene_fp32_src"]["capacity"] <= 1 << 20
+    assert r1["fused_params"] < r1["tensors"]
+    bench_gpu.print_table(s)
