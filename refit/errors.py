@@ -20,3 +20,12 @@ class PlanError(RefitError, ValueError):
 
 class TransportError(RefitError, RuntimeError):
     """A transfer that failed while bytes were moving."""
+
+
+class RefitAborted(RefitError, RuntimeError):
+    """The refit missed its deadline and this rank's communicators were aborted.
+
+    Raised even when the guarded block went on to return normally: once the abort has
+    run, some transfers may have been cut short, and the communicator is unusable
+    until it is rebuilt. Transports raise it too, for a peer that is gone.
+    """

@@ -19,7 +19,6 @@ once. A rank that froze is alive and cannot be told apart from a slow one, so it
 excluded: the sync then fails with ``NoAbsentShard`` instead of hanging.
 """
 
-from refit.membership import NoSurvivingShards
 from refit.control.errors import NoAbsentShard, RefitVerificationError, RefitWorkerError
 from refit.control.result import SyncEvent, SyncResult
 from refit.control.settle import _settle_before_propagating  # noqa: F401 - the seed's name, for tests
@@ -30,6 +29,7 @@ from refit.control.synchronizer import (
     as_worker,
 )
 from refit.control.verify import verify_checksums
+from refit.membership import NoSurvivingShards
 
 __all__ = [
     "CollectiveWeightSynchronizer",

@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from refit.errors import PlanError, RefitError
-from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
-from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.control.errors import NoAbsentShard, RefitWorkerError
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import _settle_before_propagating, brief, wait_any
 from refit.control.verify import verify_checksums
+from refit.errors import PlanError, RefitError
+from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
+from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.runtime.endpoint import ConnectSpec, LocalWorker, WorkerDied
 
 __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]

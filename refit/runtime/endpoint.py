@@ -23,8 +23,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,10 +38,10 @@ from refit.layout import (
     region_shape,
 )
 from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout
+from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
 from refit.transport.factory import make_executor
-from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
 __all__ = [
     "ConnectSpec",
@@ -593,7 +594,7 @@ class WorkerHandle(Protocol):
 
 
 class _LocalPending:
-    def __init__(self, future: cf.Future, worker: "LocalWorker"):
+    def __init__(self, future: cf.Future, worker: LocalWorker):
         self.future = future
         self.worker = worker
 
@@ -609,7 +610,7 @@ class _LocalPending:
             raise WorkerTimeout(f"{self.worker.name} did not answer within {timeout}s") from None
 
     @staticmethod
-    def wait_any(pendings: Sequence["_LocalPending"], timeout: float | None) -> list["_LocalPending"]:
+    def wait_any(pendings: Sequence[_LocalPending], timeout: float | None) -> list[_LocalPending]:
         ready = [p for p in pendings if p.done()]
         if ready:
             return ready

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Protocol
 
-from refit.errors import RefitError
+from refit.errors import RefitAborted
 
 __all__ = ["Abortable", "RefitAborted", "RefitAbortWatchdog"]
 
@@ -36,15 +36,6 @@ class Abortable(Protocol):
 
 
 Groups = Sequence[Abortable] | Callable[[], Sequence[Abortable]]
-
-
-class RefitAborted(RefitError, RuntimeError):
-    """The refit missed its deadline and this rank's communicators were aborted.
-
-    Raised even when the guarded block went on to return normally: once the abort has
-    run, some transfers may have been cut short, and the communicator is unusable
-    until it is rebuilt.
-    """
 
 
 class RefitAbortWatchdog:

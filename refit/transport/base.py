@@ -14,8 +14,9 @@ rebinds first, so a trainer that replaces its parameters between steps still wor
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
@@ -52,7 +53,7 @@ class Binding:
     dst: tuple[tuple[str, int, int], ...]
 
     @staticmethod
-    def of(src: TensorMap, dst: TensorMap) -> "Binding":
+    def of(src: TensorMap, dst: TensorMap) -> Binding:
         def key(tensors: TensorMap) -> tuple[tuple[str, int, int], ...]:
             return tuple((n, id(t), t.data_ptr()) for n, t in tensors.items())
 
@@ -124,7 +125,7 @@ class Executor(abc.ABC):
             self._release()
             self.src, self.dst, self.binding = {}, {}, None
 
-    def __enter__(self) -> "Executor":
+    def __enter__(self) -> Executor:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -136,8 +137,8 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats: ...
 
-    def _release(self) -> None:
-        pass
+    def _release(self) -> None:  # noqa: B027 - most executors hold nothing to give back
+        return None
 
 
 __all__ = ["Binding", "Corruption", "Executor", "TensorMap", "TransferStats", "device_of", "require_names"]

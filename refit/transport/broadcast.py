@@ -47,7 +47,7 @@ class BroadcastPlan:
     items: tuple[BroadcastItem, ...]
 
     @staticmethod
-    def build(index: ParamIndex, rank: int) -> "BroadcastPlan":
+    def build(index: ParamIndex, rank: int) -> BroadcastPlan:
         items: list[BroadcastItem] = []
         for name in sorted(index.specs):
             spec = index.specs[name]

@@ -7,7 +7,7 @@ here once, so two transports can never disagree about the wire format of one pla
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -17,7 +17,7 @@ communicator must run it, including ranks with nothing to do.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from refit.plan import RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats

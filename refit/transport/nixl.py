@@ -59,16 +59,16 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from refit.errors import PlanError, RefitError, TransportError
+from refit.errors import PlanError, RefitAborted, RefitError, TransportError
 from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
 from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, pack_bucket, unpack_bucket
-from refit.runtime.watchdog import RefitAborted
 
 __all__ = [
     "NixlExecutor",
@@ -791,7 +791,7 @@ class NixlTransport:
 
     def _check_dst(self, dst: Mapping[str, torch.Tensor]) -> None:
         moved = []
-        for peer, pair in self._recvs.items():
+        for pair in self._recvs.values():
             for s in pair.slots:
                 if s.staging is not None:
                     continue
@@ -938,7 +938,7 @@ class NixlTransport:
         if self._closed:
             raise RefitError(f"NixlTransport of rank {self.rank} is closed")
 
-    def __enter__(self) -> "NixlTransport":
+    def __enter__(self) -> NixlTransport:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from refit.comm.nccl import poll_until
+from refit.comm.base import poll_until
 from refit.errors import TransportError
 from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_names
@@ -60,11 +60,7 @@ class Fence:
 
 def _host_wait_event(comm, event, what: str) -> None:
     """Wait for a CUDA event without ever blocking past the communicator's deadline or abort."""
-    aborted = getattr(comm, "abort_event", None)
-    if not isinstance(aborted, threading.Event):
-        event.synchronize()
-        return
-    poll_until(event.query, deadline=getattr(comm, "deadline", None), aborted=aborted, what=what)
+    poll_until(event.query, deadline=comm.deadline, aborted=comm.abort_event, what=what)
 
 
 _STREAMS: dict[int, tuple] = {}
@@ -77,7 +73,8 @@ def _streams_for(device: torch.device) -> tuple:
         if s is None:
             # the comm stream gets the highest priority: its NCCL kernels are then dispatched
             # ahead of pending pack/unpack copy blocks instead of queueing behind them
-            s = _STREAMS[device.index] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device, priority=-8),
+            s = _STREAMS[device.index] = (torch.cuda.Stream(device=device),
+                                          torch.cuda.Stream(device=device, priority=-8),
                                           torch.cuda.Stream(device=device))
         return s
 
@@ -429,7 +426,8 @@ class StreamedExecutor(Executor):
         last_comm = last_unpack = None
         host_fences: list[Fence] = []  # gloo: every window's works, waited at the end at the latest
         for w in sched.windows:
-            per_round, unpacks, received, send_slots, recv_slots, staged_sends, direct_sends = [], [], [], [], [], [], []
+            per_round, unpacks, received, send_slots, recv_slots = [], [], [], [], []
+            staged_sends, direct_sends = [], []
             for r in w.rounds:
                 recv_ops, send_ops = [], []
                 for b in self._recv_by_round.get(r, []):
@@ -522,6 +520,6 @@ class StreamedExecutor(Executor):
 
 
 __all__ = [
-    "DEFAULT_GROUP_BYTES", "DEFAULT_STAGING_BUDGET", "Fence", "Lanes", "StagingArena", "StagingSlot", "StreamedExecutor",
-    "arena_for", "release_staging",
+    "DEFAULT_GROUP_BYTES", "DEFAULT_STAGING_BUDGET", "Fence", "Lanes", "StagingArena", "StagingSlot",
+    "StreamedExecutor", "arena_for", "release_staging",
 ]

@@ -20,7 +20,6 @@ from refit.errors import LayoutError, PlanError, RefitError
 from refit.layout import (
     dtype_name,
     local_tensor_of,
-    region_shape,
 )
 from refit.plan import (
     DEFAULT_BUCKET_BYTES,
@@ -28,6 +27,7 @@ from refit.plan import (
     RosterEntry,
     TensorLayout,
     build_rank_plan,
+    check_local_shapes,
     merge_rosters,
 )
 from refit.transport.base import TransferStats, device_of
@@ -88,23 +88,20 @@ def _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, d
                 raise PlanError(f"{side}_tensor: rank {r} is in {side}_mesh {list(lay.mesh_ranks)} but passed None")
         for r, g in enumerate(gathered):
             if g["meta"].get(side) is not None and r not in lay.mesh_ranks:
-                raise PlanError(f"{side}_tensor: rank {r} passed a tensor but is not in {side}_mesh {list(lay.mesh_ranks)}")
+                raise PlanError(f"{side}_tensor: rank {r} passed a tensor but is not in "
+                                f"{side}_mesh {list(lay.mesh_ranks)}")
     index = merge_rosters(rosters, comm.world_size)
     spec = index.specs.get(PARAM)
     if spec is None:
         raise PlanError(f"{PARAM}: no rank holds a source tensor")
     for r, g in enumerate(gathered):
-        for side, layout in (("src", spec.src), *(("dst", d) for d in spec.dsts)):
+        for side in ("src", "dst"):
             m = g["meta"].get(side)
-            if m is None or layout.coords(r) is None:
-                continue
-            want = region_shape(layout.region(spec.shape, r))
-            if tuple(m[2]) != want:
-                raise LayoutError(
-                    f"{side}_tensor: rank {r} holds a local tensor of shape {list(m[2])}, but {side}_placement "
-                    f"{list(layout.placements)} on mesh {list(layout.mesh_ranks)} gives it {list(want)} of "
-                    f"global {list(spec.shape)}"
-                )
+            if m is not None:
+                try:
+                    check_local_shapes(index, r, {side: {PARAM: m[2]}})
+                except LayoutError as e:
+                    raise LayoutError(f"{side}_tensor / {side}_placement: {e}") from None
     return index, spec
 
 
@@ -159,27 +156,21 @@ class Resharder:
                  depth: int = 2):
         self.comm = as_communicator(process_group)
         src, dst = dict(src or {}), dict(dst or {})
-        entries, error = [], None
+        entries, local_shapes, error = [], {"src": {}, "dst": {}}, None
         try:
             for role, side in (("src", src), ("dst", dst)):
                 for name, (t, mesh, placements) in side.items():
                     entries.append(RosterEntry.make(name, tuple(t.shape), dtype_name(t.dtype), mesh, placements, role))
+                    local_shapes[role][name] = tuple(local_tensor_of(t).shape)
         except (TypeError, RefitError) as e:
             error = f"rank {self.comm.rank}: {e}"
-        gathered = self.comm.all_gather_object((entries, error))
-        errors = [err for _, err in gathered if err]
+        gathered = self.comm.all_gather_object((entries, local_shapes, error))
+        errors = [err for _, _, err in gathered if err]
         if errors:
             raise PlanError("; ".join(errors))
-        self.index = merge_rosters({r: e for r, (e, _) in enumerate(gathered)}, self.comm.world_size)
-        for role, side in (("src", src), ("dst", dst)):
-            for name, (t, _, _) in side.items():
-                spec = self.index.specs[name]
-                layouts = [spec.src] if role == "src" else list(spec.dsts)
-                layout = next(lay for lay in layouts if lay.coords(self.comm.rank) is not None)
-                want = region_shape(layout.region(spec.shape, self.comm.rank))
-                if tuple(local_tensor_of(t).shape) != want:
-                    raise LayoutError(f"{name}: rank {self.comm.rank}'s {role} local tensor has shape "
-                                      f"{list(local_tensor_of(t).shape)}, its layout gives {list(want)}")
+        self.index = merge_rosters({r: e for r, (e, _, _) in enumerate(gathered)}, self.comm.world_size)
+        for r, (_, shapes, _) in enumerate(gathered):  # every rank raises the same error, naming the rank
+            check_local_shapes(self.index, r, shapes)
         self.src = {n: local_tensor_of(t) for n, (t, _, _) in src.items()}
         self.dst = {n: local_tensor_of(t) for n, (t, _, _) in dst.items()}
         t0 = time.perf_counter()
