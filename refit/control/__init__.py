@@ -21,7 +21,6 @@ excluded: the sync then fails with ``NoAbsentShard`` instead of hanging.
 
 from refit.control.errors import NoAbsentShard, RefitVerificationError, RefitWorkerError
 from refit.control.result import SyncEvent, SyncResult
-from refit.control.settle import _settle_before_propagating  # noqa: F401 - the seed's name, for tests
 from refit.control.synchronizer import (
     CollectiveWeightSynchronizer,
     ReshardWeightSynchronizer,

@@ -37,7 +37,7 @@ def brief(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def _settle_before_propagating(futures: Sequence[Any], budget_s: float | None, what: str) -> list[Any]:
+def settle_before_propagating(futures: Sequence[Any], budget_s: float | None, what: str) -> list[Any]:
     """Let every rank finish unwinding before a refit failure reaches the caller.
 
     Waiting on a group of calls returns at the first failure and leaves the rest running.

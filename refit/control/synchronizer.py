@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from refit.control.errors import NoAbsentShard, RefitWorkerError
 from refit.control.result import Recorder, SyncResult
-from refit.control.settle import _settle_before_propagating, brief, wait_any
+from refit.control.settle import brief, settle_before_propagating, wait_any
 from refit.control.verify import verify_checksums
 from refit.errors import PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
@@ -217,7 +217,7 @@ class _SynchronizerBase:
                     for s, ws in enumerate(self._engines) for i, w in enumerate(ws)]
         dead = [m for m in workers if m.worker.is_dead()]
         pings = {m: m.worker.call("refit_ping") for m in workers if m not in dead}
-        _settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
+        settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
         silent = []
         for m, p in pings.items():
             if not p.done():
@@ -232,7 +232,7 @@ class _SynchronizerBase:
         return dead, silent
 
     # -- rounds of calls -----------------------------------------------------------------------
-    def _settle_budget_s(self) -> float:
+    def settle_budget_s(self) -> float:
         """How long to let stragglers unwind: their own deadline, plus a little.
 
         A rank that has not given up yet will when its watchdog fires, at the same
@@ -288,11 +288,11 @@ class _SynchronizerBase:
             # The stragglers were armed when this round was dispatched, so their own deadline
             # (plus the grace) is counted from then: a rank frozen for good is waited for
             # until every live rank must have given up, not for a whole budget after that.
-            budget = self._settle_budget_s()
+            budget = self.settle_budget_s()
             if stragglers_s is not None:
                 budget = stragglers_s + self.grace_s
             budget = min(budget, max(self.grace_s, dispatched + budget - time.monotonic()))
-            _settle_before_propagating(list(pending.values()), budget, phase)
+            settle_before_propagating(list(pending.values()), budget, phase)
             timed_out = [m.label for m, p in pending.items() if not p.done()]
             self._abandoned += [p for p in pending.values() if not p.done()]
         first = next(iter(failures.items()), None)
@@ -458,7 +458,7 @@ class _SynchronizerBase:
             # same, but those ranks are gone, so the next sync must rebuild.
             self._broken = True
         live = [w.call("refit_teardown") for w in old if not w.is_dead()]
-        _settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
+        settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
 
     # -- sync --------------------------------------------------------------------------------
     def sync_weights(self) -> SyncResult:
@@ -583,7 +583,7 @@ class _SynchronizerBase:
         self._closed = True
         calls = [w.call("refit_teardown") for w in [*self._trainers, *(w for s in self._engines for w in s)]
                  if not w.is_dead()]
-        _settle_before_propagating(calls, self.ping_timeout_s + self.grace_s, "shutdown")
+        settle_before_propagating(calls, self.ping_timeout_s + self.grace_s, "shutdown")
         self._drain_abandoned()
         for w in [*self._trainers, *(w for s in self._engines for w in s)]:
             if isinstance(w, LocalWorker):
