@@ -18,34 +18,81 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 MIB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--path", choices=["transport", "sync"], default="transport",
+                   help="transport: the plan's executor against raw send/recv and the golden broadcast; sync: "
+                        "ReshardWeightSynchronizer.sync_weights() against the raw transport of its plan [transport]")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo processes; cuda: NCCL on GPUs")
-    p.add_argument("--src", type=int, default=4, help="source ranks (TP size of the trainer) [4]")
-    p.add_argument("--dst-tp", type=int, default=2, help="TP size of each destination replica [2]")
-    p.add_argument("--dst-dp", type=int, default=2, help="destination replicas [2]")
-    p.add_argument("--layers", type=int, default=32, help="transformer layers in the model [32]")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size [512]")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size [32000]")
-    p.add_argument("--dtype", default="float32", help="source dtype [float32]")
+    p.add_argument("--src", type=int, default=None, help="source ranks (TP size of the trainer) [4; sync: 2]")
+    p.add_argument("--dst-tp", type=int, default=None, help="TP size of each destination replica [2; sync: 1]")
+    p.add_argument("--dst-dp", type=int, default=None, help="destination replicas [2; sync: 2]")
+    p.add_argument("--layers", type=int, default=None, help="transformer layers in the model [32; sync: 8 on cpu]")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size [512; sync: 512 on cpu]")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size [32000; sync: the model's, scaled]")
+    p.add_argument("--dtype", default=None, help="source dtype [float32; sync: the model's]")
     p.add_argument("--dst-dtype", default=None, help="destination dtype (default: same as source)")
-    p.add_argument("--bucket-mib", type=float, default=16, help="bucket size in MiB [16]")
+    p.add_argument("--bucket-mib", type=float, default=None, help="bucket size in MiB [16; sync: the synchronizer's]")
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each variant [3]")
     p.add_argument("--skip-golden", action="store_true", help="do not time the golden broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--transport", choices=["nccl", "nixl"], default="nccl",
-                   help="with --device cuda: nixl times refit.transport.nixl's one-sided writes next to NCCL on the same "
-                        "plan (needs refit[nixl]) [nccl]")
+                   help="with --device cuda: nixl times refit.transport.nixl's one-sided writes next to NCCL on the "
+                        "same plan (needs refit[nixl]) [nccl]")
+    g = p.add_argument_group("--path sync (the model and layout flags above apply too)")
+    g.add_argument("--fleet", choices=["local", "ray"], default="local",
+                   help="local: endpoints on threads of this process; ray: one Ray actor per rank [local]")
+    g.add_argument("--model", default="llama3-8b", help="a refit.models.specs model, or a config.json [llama3-8b]")
+    g.add_argument("--iters", type=int, default=10, help="timed steps of each [10]")
+    g.add_argument("--warmup", type=int, default=2, help="untimed steps of each first [2]")
+    g.add_argument("--refit-timeout", type=float, default=120.0, help="refit_timeout_s of the synchronizer [120]")
     try:
         from refit.cli import bench_gpu
     except ImportError:
         bench_gpu = None
     if bench_gpu is not None and hasattr(bench_gpu, "add_gpu_arguments"):
         bench_gpu.add_gpu_arguments(p)
+    g = p.add_argument_group("--device cuda --transport nixl (and --gpu-layers, -iters, -bucket-mib, -staging-mib, "
+                             "-group-mib, -out)")
+    g.add_argument("--nixl-chunk-mib", type=int, default=None, help="bytes per NIXL WRITE, MiB")
+    g.add_argument("--nixl-no-staged", action="store_true", help="skip the all-staged NIXL variant")
+    g.add_argument("--nixl-timeout-s", type=float, default=None, help="deadline of one NIXL refit [60]")
+
+
+# Which flags each kind of run reads (argparse dests); any other flag given is refused by name.
+TRANSPORT_DEFAULTS = {"src": 4, "dst_tp": 2, "dst_dp": 2, "layers": 32, "hidden": 512, "vocab": 32000,
+                      "dtype": "float32", "bucket_mib": 16}
+CPU_FLAGS = {*TRANSPORT_DEFAULTS, "dst_dtype", "repeat", "skip_golden"}
+SYNC_FLAGS = {"src", "dst_tp", "dst_dp", "layers", "hidden", "vocab", "dtype", "dst_dtype", "bucket_mib", "fleet",
+              "model", "iters", "warmup", "refit_timeout"}
+NIXL_FLAGS = {"gpu_layers": "layers", "gpu_iters": "iters", "gpu_bucket_mib": "bucket_mib",
+              "gpu_staging_mib": "staging_mib", "gpu_group_mib": "group_mib", "gpu_out": "out",
+              "nixl_chunk_mib": "chunk_mib", "nixl_timeout_s": "timeout_s"}
+ALWAYS = {"path", "device", "transport", "json"}
+
+
+def given_flags(args) -> set[str]:
+    """The dests whose value differs from the parser's default: the flags the user set."""
+    fresh = argparse.ArgumentParser()
+    add_arguments(fresh)
+    defaults = vars(fresh.parse_args([]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+def refuse_unused(args, applies: set[str], what: str) -> int | None:
+    unused = sorted(given_flags(args) - applies - ALWAYS)
+    if not unused:
+        return None
+    flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+    verb = "does" if len(unused) == 1 else "do"
+    print(f"refit bench {what}: {flags} {verb} not apply to this run (see refit bench --help); nothing was run",
+          file=sys.stderr)
+    return 2
 
 
 def model_spec(layers: int, hidden: int, vocab: int):
@@ -133,7 +180,8 @@ _STATE = {}
 def _bench_rank(group, cfg):
     import torch
 
-    from refit.transport.xfer import golden_from_spec
+    from refit.transport.broadcast import BroadcastPlan
+    from refit.transport.factory import make_executor
 
     t0 = time.perf_counter()
     resharder, expect = _setup(group, cfg)
@@ -177,13 +225,11 @@ def _bench_rank(group, cfg):
     out["raw_s"] = timed(raw)
 
     if not cfg["skip_golden"]:
-        index = resharder.index
-
-        def golden():
-            for name in sorted(index.specs):
-                golden_from_spec(group, index.specs[name], resharder.src.get(name), resharder.dst.get(name))
-
-        out["golden_s"] = timed(golden)
+        for t in resharder.dst.values():  # what the golden runs write must be theirs
+            t.fill_(float("nan"))
+        with make_executor(BroadcastPlan.build(resharder.index, group.rank), group) as golden:
+            golden.prepare(resharder.src, resharder.dst)
+            out["golden_s"] = timed(golden.run)
         out["golden_correct"] = all(torch.equal(resharder.dst[n], expect[n]) for n in expect)
     return out
 
@@ -191,8 +237,8 @@ def _bench_rank(group, cfg):
 def run_cpu(args) -> dict:
     import torch
 
+    from refit.plan import min_bytes_needed
     from refit.testing.launch import LocalFleet
-    from refit.plan.planner import min_bytes_needed
 
     cfg = {
         "src": args.src, "dst_tp": args.dst_tp, "dst_dp": args.dst_dp, "layers": args.layers,
@@ -253,7 +299,7 @@ def _min_needed(ranks, min_bytes_needed, cfg):
     """The minimum, computed from the rosters alone (independently of the plan)."""
     import numpy as np
 
-    from refit.plan.planner import RosterEntry, merge_rosters
+    from refit.plan import RosterEntry, merge_rosters
 
     n_src, tp, dp = cfg["src"], cfg["dst_tp"], cfg["dst_dp"]
     world = n_src + tp * dp
@@ -261,7 +307,8 @@ def _min_needed(ranks, min_bytes_needed, cfg):
     dst_mesh = np.arange(n_src, world).reshape(dp, tp).tolist()
     for name, shape, dim in model_tensors(cfg["layers"], cfg["hidden"], cfg["vocab"]):
         for r in range(n_src):
-            rosters[r].append(RosterEntry.make(name, shape, cfg["dtype"], list(range(n_src)), _placements(dim, 1), "src"))
+            rosters[r].append(RosterEntry.make(name, shape, cfg["dtype"], list(range(n_src)), _placements(dim, 1),
+                                               "src"))
         for r in range(n_src, world):
             rosters[r].append(RosterEntry.make(name, shape, cfg["dst_dtype"], dst_mesh, _placements(dim, 2), "dst"))
     return min_bytes_needed(merge_rosters(rosters, world))
@@ -298,20 +345,41 @@ def print_table(result: dict) -> None:
 
 
 def run(args) -> int:
+    if args.path == "sync":
+        if args.transport != "nccl":
+            print("refit bench --path sync: --transport nixl is not measured here; the sync path runs over the "
+                  "communicator (gloo on cpu, NCCL on cuda)", file=sys.stderr)
+            return 2
+        from refit.cli import bench_sync
+
+        return refuse_unused(args, SYNC_FLAGS, f"--path sync --device {args.device}") or bench_sync.run(args)
     if args.device == "cuda":
         if args.transport == "nixl":
+            refused = refuse_unused(args, {*NIXL_FLAGS, "nixl_no_staged"}, "--device cuda --transport nixl")
+            if refused:
+                return refused
             from refit.cli.bench_nixl import bench as nixl_bench
 
-            return nixl_bench(["--json"] if args.json else [])
+            overrides = {NIXL_FLAGS[k]: getattr(args, k) for k in given_flags(args) & set(NIXL_FLAGS)}
+            return nixl_bench(overrides, staged=not args.nixl_no_staged, as_json=args.json)
         from refit.cli import bench_gpu
-        return bench_gpu.run_gpu(args)
+
+        gpu_flags = {k for k in vars(args) if k.startswith("gpu_")}
+        return refuse_unused(args, gpu_flags, "--device cuda") or bench_gpu.run_gpu(args)
     if args.transport != "nccl":
         print("refit bench: --transport nixl needs --device cuda (the CPU bench runs over gloo)")
         return 2
+    refused = refuse_unused(args, CPU_FLAGS, "--device cpu")
+    if refused:
+        return refused
+    for k, v in TRANSPORT_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     result = run_cpu(args)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
-    ok = result["correct"] and result.get("golden_correct", True) and result["bytes_moved"] >= result["min_bytes_needed"]
+    ok = (result["correct"] and result.get("golden_correct", True)
+          and result["bytes_moved"] >= result["min_bytes_needed"])
     return 0 if ok else 1

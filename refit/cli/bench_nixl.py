@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -19,7 +19,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     import math
 
     from refit.cli import bench_gpu as B
-    from refit.transport.rounds import PlanExecutor
+    from refit.transport.factory import make_executor
 
     dev = B._device(group)
     cuda = dev.type == "cuda"
@@ -50,9 +50,9 @@ def _bench_rank(group, cfg: dict) -> dict:
     # NCCL, the streamed executor, on this plan
     kw = dict(staging_budget_bytes=cfg["staging_mib"] * MIB, group_bytes=cfg["group_mib"] * MIB)
     poison()
-    PlanExecutor(plan, group, pipeline="streamed", **kw).run(src, dst)
+    make_executor(plan, group, transport="streamed", **kw).run(src, dst)
     out["verify_nccl"] = B._verify(group, model, dst, cfg["seed"], bf16)
-    ex = PlanExecutor(plan, group, pipeline="streamed", sync=False, **kw)
+    ex = make_executor(plan, group, transport="streamed", sync=False, **kw)
     out["nccl"] = B._timed_loop(group, lambda: ex.run(src, dst), cfg["iters"])
     # NIXL: in place (the default), and with every bucket staged
     for variant, direct in (("nixl", True), ("nixl_staged", False)):
@@ -69,7 +69,7 @@ def _bench_rank(group, cfg: dict) -> dict:
             st = t.run(src, dst)
             res.update(first_s=st.seconds, staging_bytes=st.staging_capacity_bytes, zero_copy=st.zero_copy_buckets)
             res["verify"] = B._verify(group, model, dst, cfg["seed"], bf16)
-            res.update(B._timed_loop(group, lambda: t.run(src, dst), cfg["iters"]))
+            res.update(B._timed_loop(group, lambda t=t: t.run(src, dst), cfg["iters"]))
             if group.rank == 0:  # fresh weights, poisoned destination, one more verified refit
                 for i, (n, _) in enumerate(names):
                     B.fill_pattern(src[n], cfg["seed"] + 7 + i)
@@ -131,31 +131,25 @@ def print_bench(s: dict) -> None:
     print(f"verified bit-exact: {s['verified']}")
 
 
-def bench(argv: Sequence[str] | None = None) -> int:
-    """``refit bench --device cuda --transport nixl``: NIXL against NCCL on the 2-GPU 8B refit (same plan, same run)."""
-    import argparse
+DEFAULTS = {"layers": 32, "iters": 10, "bucket_mib": 1024, "chunk_mib": DEFAULT_CHUNK_BYTES // MIB,
+            "staging_mib": 1024, "group_mib": 1024, "timeout_s": 60.0, "out": None}
+
+
+def bench(overrides: dict[str, Any] | None = None, *, staged: bool = True, as_json: bool = False) -> int:
+    """``refit bench --device cuda --transport nixl``: NIXL against NCCL on the 2-GPU 8B refit (same plan,
+    same run), with ``overrides`` of ``DEFAULTS`` (what the command line's flags set)."""
     import json
 
-    p = argparse.ArgumentParser(prog="refit bench --device cuda --transport nixl", description=bench.__doc__)
-    p.add_argument("--layers", type=int, default=32, help="transformer layers [32: Llama-3-8B]")
-    p.add_argument("--iters", type=int, default=10, help="timed back-to-back refits [10]")
-    p.add_argument("--bucket-mib", type=int, default=1024, help="plan bucket size, MiB [1024]")
-    p.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES // MIB, help="bytes per NIXL WRITE, MiB")
-    p.add_argument("--staging-mib", type=int, default=1024, help="NCCL streamed staging budget, MiB [1024]")
-    p.add_argument("--group-mib", type=int, default=1024, help="NCCL bytes per group, MiB [1024]")
-    p.add_argument("--no-staged", action="store_true", help="skip the all-staged NIXL variant")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of one NIXL refit [60]")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", default=None, help="also write the JSON result here")
-    args = p.parse_args(argv)
     from refit.testing.launch import DeviceFleet
 
+    unknown = sorted(set(overrides or {}) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"bench_nixl.bench: unknown settings {unknown}; known: {sorted(DEFAULTS)}")
+    args = {**DEFAULTS, **(overrides or {})}
     if torch.cuda.device_count() < 2:
         print("the NIXL GPU bench needs 2 GPUs; torch sees", torch.cuda.device_count())
         return 2
-    cfg = {"layers": args.layers, "iters": args.iters, "bucket_mib": args.bucket_mib, "chunk_mib": args.chunk_mib,
-           "staging_mib": args.staging_mib, "group_mib": args.group_mib, "staged": not args.no_staged,
-           "timeout_s": args.timeout_s, "seed": 1234}
+    cfg = {**{k: v for k, v in args.items() if k != "out"}, "staged": staged, "seed": 1234}
     t0 = time.perf_counter()
     with DeviceFleet(2) as fleet:
         r0, r1 = fleet.run(_bench_rank, cfg, timeout_s=280)
@@ -163,10 +157,10 @@ def bench(argv: Sequence[str] | None = None) -> int:
     s["wall_s"] = time.perf_counter() - t0
     s["per_rank"] = [r0, r1]
     text = json.dumps(s, indent=1, default=str)
-    if args.out:
-        with open(args.out, "w") as f:
+    if args["out"]:
+        with open(args["out"], "w") as f:
             f.write(text)
-    if args.json:
+    if as_json:
         print(text)
     else:
         print_bench(s)

@@ -1,0 +1,381 @@
+"""``refit bench --path sync``: what ``sync_weights()`` costs next to the bare transport of the same plan.
+
+Users call ``ReshardWeightSynchronizer.sync_weights()``, while the transport figures come from a
+bench's own worker loop. The difference is the control plane: a controller round trip per phase,
+checksums of every bucket (verify) and the engines' commit. This bench times both in the same
+worker processes on the same plan, alternating step by step so that drift hits both alike:
+
+* **sync**: the wall time of ``sync_weights()`` with verification on, as a user sees it;
+* **raw**: every rank's ``refit_transfer`` called at once through the synchronizer's own worker
+  handles (no checksums, no commit), timed by the slowest rank's executor: the transport alone;
+* **raw + checksums**: the same with ``verify=True``, which splits the difference between the two
+  into what checksums cost and what the control plane costs.
+
+``--fleet local`` puts the endpoints on threads of this process (``LocalWorker``); ``--fleet ray``
+makes every rank a Ray actor. The model is a ``refit.models.specs`` shape (``--model``), narrowed
+with ``--layers`` / ``--hidden``; the trainer holds it TP over ``--src`` ranks and each of
+``--dst-dp`` engine shards TP over ``--dst-tp`` workers. After the timed steps every engine
+checks every element it holds against the trainer's pattern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from refit.layout import mesh_coords_of, region_shape, shard_region
+from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
+from refit.models.specs import ModelSpec, get_model
+from refit.runtime.endpoint import EngineEndpoint, LocalShard, TrainerEndpoint
+
+GB = 1e9
+MIB = 1 << 20
+PATTERN_CHUNK = 1 << 24  # elements per chunk of the fill and the check (int64 temporaries: 128 MiB)
+CPU_SHAPE = {"layers": 8, "hidden": 512}  # llama3-8b narrowed: ~175 MB moved per step to two TP1 shards
+DEFAULT_LAYOUT = (2, 1, 2)  # trainer TP2 -> 2 engine shards of TP1
+WIDTH_FIELDS = ("head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+# -- the model and its values --------------------------------------------------------------------
+
+def narrowed(spec: ModelSpec, *, layers: int | None, hidden: int | None, vocab: int | None) -> ModelSpec:
+    """``spec`` with fewer layers and every width scaled by ``hidden / hidden_size`` (head counts kept).
+
+    Head counts stay so that the TP layouts cut the same heads as in the full model; only
+    the sizes shrink, which is what lets the 8B shape run on two CPU cores.
+    """
+    changes: dict[str, Any] = {}
+    if hidden is not None and hidden != spec.hidden_size:
+        factor = hidden / spec.hidden_size
+        changes = {f: max(1, round(getattr(spec, f) * factor)) for f in WIDTH_FIELDS if getattr(spec, f)}
+        changes["hidden_size"] = hidden
+    if layers is not None:
+        changes.update(num_layers=layers, first_dense_layers=min(spec.first_dense_layers, layers))
+    if vocab is not None:
+        changes["vocab_size"] = vocab
+    if not changes:
+        return spec
+    return dataclasses.replace(spec, **changes)
+
+
+def pattern(shape: tuple[int, ...], region, seed: int, device, rows: slice) -> torch.Tensor:
+    """Values of a region's ``rows`` that depend on the global position: misplaced bytes show.
+
+    Every value is k/64 with |k| <= 127, exact in bf16, fp16 and fp32, so a cast on the way
+    changes nothing and a check can be bit for bit.
+    """
+    strides = [int(np.prod(shape[d + 1:])) for d in range(len(shape))]
+    flat = None
+    for d, intervals in enumerate(region):
+        ix = torch.cat([torch.arange(a, b, dtype=torch.int64, device=device) for a, b in intervals])
+        if d == 0:
+            ix = ix[rows]
+        term = (ix * strides[d]).reshape([-1 if k == d else 1 for k in range(len(shape))])
+        flat = term if flat is None else flat + term
+    k = ((flat * 2654435761 + seed * 97531) >> 5) % 255 - 127
+    return k.to(torch.float32) / 64
+
+
+def row_chunks(t: torch.Tensor):
+    rows = t.shape[0]
+    step = max(1, PATTERN_CHUNK // max(1, t[0].numel()))
+    for a in range(0, rows, step):
+        yield slice(a, min(a + step, rows))
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    """One tensor as one rank holds it: where it sits in the global tensor, and its seed."""
+
+    shard: LocalShard
+    region: tuple
+    seed: int
+
+
+def held_tensors(model: ModelSpec, layouts, local_rank: int, offset: int, dtype: str, device) -> dict[str, HeldTensor]:
+    """This rank's part of every tensor, laid out by ``layouts(param)`` (a ``TensorLayout``).
+
+    ``offset`` is the layout's first rank: an engine reports meshes of its own shard's
+    workers (0 ..), wherever the shard sits in the communicator.
+    """
+    out = {}
+    for i, p in enumerate(model.params()):
+        lay = layouts(p)
+        mesh = (np.asarray(lay.mesh_ranks) - offset).reshape(lay.mesh_shape)
+        region = shard_region(p.shape, lay.mesh_shape, mesh_coords_of(mesh, local_rank), lay.placements)
+        t = torch.zeros(region_shape(region), dtype=getattr(torch, dtype), device=device)
+        out[p.name] = HeldTensor(LocalShard(t, p.shape, mesh, lay.placements), region, i)
+    return out
+
+
+class BenchTrainer(TrainerEndpoint):
+    """A trainer rank: its TP shard of every tensor of ``model``, filled with ``pattern``."""
+
+    def __init__(self, rank: int, world_size: int, *, model: ModelSpec, dtype: str, device: str = "cpu",
+                 threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        builder = LayoutBuilder(model, TrainParallel(tp=world_size), EngineParallel())
+        self.held = held_tensors(model, builder.src, rank, 0, dtype, device)
+        for h in self.held.values():
+            t = h.shard.tensor
+            if t.numel():
+                for rows in row_chunks(t):
+                    t[rows].copy_(pattern(h.shard.global_shape, h.region, h.seed, t.device, rows))
+
+    def refit_sources(self):
+        return {n: h.shard for n, h in self.held.items()}
+
+
+class BenchEngine(EngineEndpoint):
+    """An engine worker: its TP shard of every tensor of ``model``, zeroed until a refit lands."""
+
+    def __init__(self, shard: int, worker: int, workers_per_shard: int, *, model: ModelSpec, dtype: str,
+                 device: str = "cpu", threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        builder = LayoutBuilder(model, TrainParallel(), EngineParallel(tp=workers_per_shard))
+        self.held = held_tensors(model, lambda p: builder.dsts(p)[0], worker, builder.engine_offset, dtype, device)
+
+    def refit_destinations(self):
+        return {n: h.shard for n, h in self.held.items()}
+
+    def bench_wrong_tensors(self) -> list[str]:
+        """Names of the tensors whose elements differ from the trainer's pattern, bit for bit."""
+        wrong = []
+        for name, h in self.held.items():
+            t = h.shard.tensor
+            if t.numel() and not all(torch.equal(t[rows], pattern(h.shard.global_shape, h.region, h.seed, t.device,
+                                                                   rows).to(t.dtype)) for rows in row_chunks(t)):
+                wrong.append(name)
+        return wrong
+
+
+# -- layout and fleet ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchLayout:
+    """Trainer ranks (TP), engine shards, and workers (TP) per shard."""
+
+    trainer_tp: int
+    engine_tp: int
+    engines: int
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer_tp + self.engine_tp * self.engines
+
+    def describe(self) -> str:
+        return f"trainer TP{self.trainer_tp} -> {self.engines} engine shard(s) of TP{self.engine_tp}"
+
+
+class FlagError(ValueError):
+    """Flags that cannot run here; reported in one line, before anything starts."""
+
+
+def choose_layout(args, gpus: int) -> tuple[BenchLayout, str]:
+    """The layout of the flags; on GPUs (one per rank) the default shrinks to what torch sees.
+
+    Returns the layout and, when it is not the default, a note that says why.
+    """
+    given = [args.src, args.dst_tp, args.dst_dp]
+    layout = BenchLayout(*(g if g is not None else d for g, d in zip(given, DEFAULT_LAYOUT)))
+    note = ""
+    if args.device == "cuda" and all(g is None for g in given) and layout.world_size > gpus:
+        default, layout = layout, BenchLayout(1, 1, 1)
+        note = (f"torch sees {gpus} GPU(s), one per rank over NCCL: {layout.describe()} instead of the default "
+                f"{default.describe()} ({default.world_size} GPUs); --src / --dst-tp / --dst-dp choose")
+    if args.device == "cuda" and layout.world_size > gpus:
+        raise FlagError(f"{layout.describe()} needs {layout.world_size} GPUs (one per rank over NCCL); "
+                        f"torch sees {gpus}")
+    return layout, note
+
+
+class Fleet:
+    """Trainer and engine workers of one run, local (threads of this process) or Ray actors."""
+
+    def __init__(self, kind: str, layout: BenchLayout, model: ModelSpec, dtypes: tuple[str, str], device: str):
+        self.kind = kind
+        self.ray_fleet = None
+        self.ray_started = False
+        if kind == "local":
+            gpu = iter(range(layout.world_size))  # one GPU per rank, in communicator order
+
+            def where() -> str:
+                return f"cuda:{next(gpu)}" if device == "cuda" else "cpu"
+
+            self.trainers = [BenchTrainer(r, layout.trainer_tp, model=model, dtype=dtypes[0], device=where())
+                             for r in range(layout.trainer_tp)]
+            self.engines = [[BenchEngine(s, w, layout.engine_tp, model=model, dtype=dtypes[1], device=where())
+                             for w in range(layout.engine_tp)] for s in range(layout.engines)]
+            return
+        import ray
+
+        from refit.runtime.ray import RayFleet
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=layout.world_size, include_dashboard=False, log_to_driver=False)
+            self.ray_started = True
+        self.ray_fleet = RayFleet(
+            BenchTrainer, BenchEngine, train_world_size=layout.trainer_tp, num_shards=layout.engines,
+            workers_per_shard=layout.engine_tp,
+            trainer_kwargs={"model": model, "dtype": dtypes[0], "device": device, "threads": 1},
+            engine_kwargs={"model": model, "dtype": dtypes[1], "device": device, "threads": 1},
+            actor_options={"num_gpus": 1} if device == "cuda" else None, start_timeout_s=600)
+        self.trainers, self.engines = self.ray_fleet.trainers, self.ray_fleet.engines
+
+    def close(self) -> None:
+        if self.ray_fleet is not None:
+            self.ray_fleet.shutdown()
+        if self.ray_started:
+            import ray
+
+            ray.shutdown()
+
+
+# -- the measurement -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SyncStep:
+    wall_s: float
+    transfer_s: float
+    bytes: int
+    verified: bool
+    rebuilt: bool
+
+
+@dataclass(frozen=True)
+class RawStep:
+    seconds: float  # the slowest rank's executor time: the transport alone
+    round_s: float  # the calls' wall time from here, controller dispatch included
+    bytes: int
+
+
+def timed_sync(sync) -> SyncStep:
+    t0 = time.perf_counter()
+    res = sync.sync_weights()
+    return SyncStep(time.perf_counter() - t0, res.transfer_s, res.bytes, res.verified, res.rebuilt)
+
+
+def timed_raw(sync, timeout_s: float, verify: bool = False) -> RawStep:
+    """Every rank's ``refit_transfer`` of the live plan at once, as the synchronizer calls it (no commit)."""
+    t0 = time.perf_counter()
+    calls = {r: w.call("refit_transfer", sync.epoch, timeout_s=None, verify=verify) for r, w in sync.workers.items()}
+    reports = [p.result(timeout_s) for p in calls.values()]
+    return RawStep(max(r["seconds"] for r in reports), time.perf_counter() - t0,
+                   sum(r["bytes_received"] for r in reports))
+
+
+def spread(values: list[float], nbytes: int) -> dict:
+    median = statistics.median(values)
+    return {"median_s": median, "p90_s": float(np.percentile(values, 90)), "GBps": nbytes / median / GB}
+
+
+def run_sync_bench(args) -> dict:
+    from refit import ReshardWeightSynchronizer
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    layout, note = choose_layout(args, gpus)
+    shape = CPU_SHAPE if args.device == "cpu" else {"layers": None, "hidden": None}
+    model = narrowed(get_model(args.model), layers=args.layers if args.layers is not None else shape["layers"],
+                     hidden=args.hidden if args.hidden is not None else shape["hidden"], vocab=args.vocab)
+    dtypes = (args.dtype or model.dtype, args.dst_dtype or args.dtype or model.dtype)
+    kwargs: dict[str, Any] = {"refit_timeout_s": args.refit_timeout, "verify": True}
+    if args.bucket_mib is not None:
+        kwargs["bucket_bytes"] = int(args.bucket_mib * MIB)
+    t0 = time.perf_counter()
+    fleet = Fleet(args.fleet, layout, model, dtypes, args.device)
+    sync = None
+    try:
+        start_s = time.perf_counter() - t0
+        sync = ReshardWeightSynchronizer(fleet.trainers, fleet.engines, **kwargs)
+        t1 = time.perf_counter()
+        sync.init_communicator()
+        init_s = time.perf_counter() - t1
+        for _ in range(args.warmup):
+            timed_sync(sync)
+            timed_raw(sync, args.refit_timeout)
+            timed_raw(sync, args.refit_timeout, verify=True)
+        syncs, raws, checked = [], [], []
+        for _ in range(args.iters):
+            syncs.append(timed_sync(sync))
+            raws.append(timed_raw(sync, args.refit_timeout))
+            checked.append(timed_raw(sync, args.refit_timeout, verify=True))
+        checks = {r: w.call("bench_wrong_tensors") for r, w in sync.workers.items() if r >= layout.trainer_tp}
+        wrong = {f"rank {r}": bad for r, p in checks.items() if (bad := p.result(args.refit_timeout))}
+    finally:
+        if sync is not None:
+            sync.shutdown()
+        fleet.close()
+    nbytes = raws[0].bytes
+    sync_fig = spread([s.wall_s for s in syncs], syncs[0].bytes)
+    sync_fig["transfer_median_s"] = statistics.median(s.transfer_s for s in syncs)
+    raw_fig = spread([r.seconds for r in raws], nbytes)
+    raw_fig["round_median_s"] = statistics.median(r.round_s for r in raws)
+    checked_fig = spread([r.seconds for r in checked], nbytes)
+    device = "cpu (gloo)" if args.device == "cpu" else f"{torch.cuda.get_device_name(0)} (NCCL, one GPU per rank)"
+    return {
+        "path": "sync", "fleet": args.fleet, "device": device, "layout": layout.describe(), "layout_note": note,
+        "world_size": layout.world_size, "model": model.name, "layers": model.num_layers,
+        "hidden": model.hidden_size, "tensors": model.num_tensors, "params": model.num_params,
+        "dtype": dtypes[0], "dst_dtype": dtypes[1], "bytes_per_step": nbytes, "warmup": args.warmup,
+        "iters": args.iters, "sync": sync_fig, "raw": raw_fig, "raw_checksummed": checked_fig,
+        "sync_over_raw": sync_fig["median_s"] / raw_fig["median_s"],
+        "verified": all(s.verified for s in syncs), "same_bytes": all(s.bytes == nbytes for s in syncs),
+        "rebuilds_after_init": sum(s.rebuilt for s in syncs), "correct": not wrong, "wrong": wrong,
+        "fleet_start_s": start_s, "init_communicator_s": init_s,
+    }
+
+
+def print_sync_table(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"refit bench --path sync: {r['layout']}, {r['fleet']} fleet, {r['device']}")
+    for col, justify in (("path", "left"), ("median", "right"), ("p90", "right"), ("GB/s", "right"), ("note", "left")):
+        table.add_column(col, justify=justify)
+    s, w = r["sync"], r["raw"]
+    table.add_row("sync_weights(), verify on", f"{s['median_s'] * 1e3:.1f} ms", f"{s['p90_s'] * 1e3:.1f} ms",
+                  f"{s['GBps']:.2f}", f"transfer phase {s['transfer_median_s'] * 1e3:.1f} ms")
+    table.add_row("raw transport, same plan", f"{w['median_s'] * 1e3:.1f} ms", f"{w['p90_s'] * 1e3:.1f} ms",
+                  f"{w['GBps']:.2f}", f"slowest rank's executor; round {w['round_median_s'] * 1e3:.1f} ms")
+    c = r["raw_checksummed"]
+    table.add_row("raw transport + checksums", f"{c['median_s'] * 1e3:.1f} ms", f"{c['p90_s'] * 1e3:.1f} ms",
+                  f"{c['GBps']:.2f}", "what verify adds to the transport")
+    table.add_row("sync / raw", f"{r['sync_over_raw']:.2f}x", "", "", "")
+    console = Console()
+    console.print(table)
+    if r["layout_note"]:
+        console.print(r["layout_note"])
+    console.print(f"{r['model']}: {r['layers']} layers, hidden {r['hidden']}, {r['tensors']} tensors, "
+                  f"{r['dtype']} -> {r['dst_dtype']}; {r['bytes_per_step'] / 1e6:.1f} MB per step; "
+                  f"{r['iters']} steps after {r['warmup']} warm-up; every sync verified: {r['verified']}; "
+                  f"every engine element correct: {r['correct']}")
+
+
+def run(args) -> int:
+    try:
+        result = run_sync_bench(args)
+    except FlagError as e:
+        print(f"refit bench --path sync --device {args.device}: {e}", file=sys.stderr)
+        return 2
+    if result["layout_note"] and args.json:
+        print(result["layout_note"], file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_sync_table(result)
+    ok = result["verified"] and result["correct"] and result["same_bytes"]
+    if not ok:
+        print(f"refit bench --path sync: verified={result['verified']} correct={result['correct']} "
+              f"same_bytes={result['same_bytes']} {result['wrong']}", file=sys.stderr)
+    return 0 if ok else 1

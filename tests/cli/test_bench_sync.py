@@ -1,0 +1,36 @@
+"""`refit bench --path sync` as a user runs it: a tiny model on CPU, endpoints on threads (LocalWorker)."""
+
+import json
+import subprocess
+import sys
+
+
+def bench(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "refit.cli", "bench", *flags], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_sync_path_json_reports_both_paths_and_verified_bytes():
+    proc = bench("--path", "sync", "--json", "--fleet", "local", "--layers", "1", "--hidden", "64", "--vocab", "96",
+                 "--iters", "2", "--warmup", "1", "--dtype", "float32", "--dst-dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert (r["path"], r["fleet"], r["device"]) == ("sync", "local", "cpu (gloo)")
+    assert r["layout"] == "trainer TP2 -> 2 engine shard(s) of TP1" and r["world_size"] == 4
+    assert (r["layers"], r["hidden"], r["dtype"], r["dst_dtype"], r["iters"]) == (1, 64, "float32", "bfloat16", 2)
+    # two TP1 engine shards each receive every bf16 element once
+    assert r["bytes_per_step"] == 2 * 2 * r["params"]
+    for side in ("sync", "raw"):
+        assert r[side]["median_s"] > 0 and r[side]["p90_s"] >= r[side]["median_s"] and r[side]["GBps"] > 0
+    assert r["sync_over_raw"] == r["sync"]["median_s"] / r["raw"]["median_s"]
+    assert r["verified"] and r["same_bytes"] and r["correct"] and r["wrong"] == {}
+    assert r["rebuilds_after_init"] == 0
+
+
+def test_flags_of_another_run_are_refused_by_name():
+    proc = bench("--path", "sync", "--repeat", "5", "--skip-golden", timeout=60)
+    assert proc.returncode == 2
+    assert "--repeat, --skip-golden do not apply" in proc.stderr
+    proc = bench("--device", "cuda", "--transport", "nixl", "--src", "2", "--gpu-refits", "3", timeout=60)
+    assert proc.returncode == 2
+    assert "--gpu-refits, --src do not apply" in proc.stderr
