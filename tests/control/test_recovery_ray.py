@@ -28,6 +28,7 @@ from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer  # noqa: E
 TIMEOUT_S = 6.0  # refit_timeout_s: every worker's deadline for one transfer
 GRACE_S = 2.0
 PING_S = 2.0
+SLACK_S = 20.0  # what a busy machine may add to a bound the test configured (the frozen worker stays stopped)
 TRANSFER_DELAY_S = 0.3
 LOAD_DELAY_S = 0.2
 TARGETS = [(0, 1), (1, 0), (1, 1)]  # shard 0 worker 0 is never killed: a surviving engine to watch
@@ -202,7 +203,7 @@ def test_frozen_worker_raises_clear_error_in_bounded_time_then_recovers(fleet):
         sync.on_phase = None
         killer.join()
         fleet.signal_worker(1, 0, signal.SIGCONT)
-    bound = TIMEOUT_S + sync._settle_budget_s() + PING_S + 3.0
+    bound = TIMEOUT_S + sync.settle_budget_s() + PING_S + SLACK_S  # what it was configured with, plus slack
     assert elapsed < bound, (elapsed, bound)
     msg = str(info.value)
     assert "no generation shard could be identified as absent" in msg

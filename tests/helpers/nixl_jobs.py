@@ -171,7 +171,7 @@ def install(group, roster, epoch):
     return {"collectives": collectives() - before, "epoch": t.epoch}
 
 
-def refit_step(group, step, *, timeout_s=10.0, fault=None, replace_src=None):
+def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None):
     """One refit of the installed plan with the data of ``step``; check every destination.
 
     ``fault="die"``: this rank's process exits at once, in the middle of the refit (its

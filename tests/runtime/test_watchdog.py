@@ -6,7 +6,10 @@ import pytest
 
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
-BOUND_S = 2.0  # how long a fake collective may stay blocked before the test fails
+# Bounds sized for a busy machine: a wait that should end in milliseconds gets tens of seconds, so only a
+# watchdog that never fires (or a thread that is waited out) fails the tests, never a slow scheduler.
+BOUND_S = 20.0  # how long a fake collective may stay blocked before the test fails
+LONG_S = 60.0  # a deadline no test reaches: a watchdog armed with it must be woken, not waited out
 
 
 class FakeGroup:
@@ -47,7 +50,7 @@ def thread_errors(monkeypatch):
     return errors
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_fires_at_deadline_and_releases_blocked_call(thread_errors):
     g = FakeGroup("g")
     before = set(threading.enumerate())
@@ -69,30 +72,30 @@ def test_fires_at_deadline_and_releases_blocked_call(thread_errors):
     assert not thread_errors
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_does_not_fire_when_block_finishes_early():
     g = FakeGroup("g")
     before = set(threading.enumerate())
-    wd = RefitAbortWatchdog([g], timeout_s=20.0)
+    wd = RefitAbortWatchdog([g], timeout_s=LONG_S)
     t0 = time.monotonic()
     with wd:
         pass
-    assert time.monotonic() - t0 < 1.0  # the thread is woken, not waited out
+    assert time.monotonic() - t0 < LONG_S / 2  # the thread is woken, not waited out
     assert not wd.fired and wd.fired_at is None and g.abort_calls == 0
-    assert wd.elapsed_s is not None and wd.elapsed_s < 1.0
+    assert wd.elapsed_s is not None and wd.elapsed_s < LONG_S / 2
     assert set(threading.enumerate()) == before
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_block_error_propagates_unchanged_when_not_fired():
     g = FakeGroup("g")
     with pytest.raises(KeyError):
-        with RefitAbortWatchdog([g], timeout_s=20.0):
+        with RefitAbortWatchdog([g], timeout_s=LONG_S):
             raise KeyError("boom")
     assert g.abort_calls == 0 and not watchdog_threads()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_raises_even_if_block_returns_after_firing():
     g = FakeGroup("g")
     wd = RefitAbortWatchdog([g], timeout_s=0.1)
@@ -103,7 +106,7 @@ def test_raises_even_if_block_returns_after_firing():
     assert not watchdog_threads()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_disarmed_with_none():
     g = FakeGroup("g")
     wd = RefitAbortWatchdog([g], timeout_s=None)
@@ -114,7 +117,7 @@ def test_disarmed_with_none():
     assert not wd.fired and wd.deadline is None and g.abort_calls == 0
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_aborts_in_order_and_swallows_abort_errors(caplog, thread_errors):
     order: list[str] = []
     child = FakeGroup("child", order, fail=True)
@@ -130,7 +133,7 @@ def test_aborts_in_order_and_swallows_abort_errors(caplog, thread_errors):
     assert not watchdog_threads()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_idempotent_aborts_and_reuse():
     child = FakeGroup("child")
 
@@ -157,7 +160,7 @@ def test_idempotent_aborts_and_reuse():
     assert not wd.fired and not watchdog_threads()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_callable_groups_are_resolved_at_the_deadline():
     groups: list[FakeGroup] = []
     with pytest.raises(RefitAborted) as info:
@@ -168,9 +171,9 @@ def test_callable_groups_are_resolved_at_the_deadline():
     assert g.abort_calls == 1 and "FakeGroup(late)" in str(info.value)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_cannot_enter_twice_while_armed():
-    wd = RefitAbortWatchdog([], timeout_s=20.0)
+    wd = RefitAbortWatchdog([], timeout_s=LONG_S)
     with wd:
         with pytest.raises(RuntimeError, match="already armed"):
             wd.__enter__()
