@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -129,6 +130,7 @@ def _setup(group, cfg):
     import numpy as np
     import torch
 
+    from refit.cli.bench_sync import fill_pattern
     from refit.layout import DTensorRef, region_shape, shard_region
     from refit.transport.xfer import Resharder
 
@@ -142,7 +144,7 @@ def _setup(group, cfg):
             sp = _placements(dim, 1)
             region = shard_region(shape, (n_src,), (group.rank,), sp)
             local = torch.empty(region_shape(region), dtype=sdt)
-            _fill(local, region, i)
+            fill_pattern(local, shape, region, i)
             src[name] = (DTensorRef(local, shape), src_mesh, sp)
         else:
             dp_i, tp_i = divmod(group.rank - n_src, tp)
@@ -150,28 +152,11 @@ def _setup(group, cfg):
             region = shard_region(shape, (dp, tp), (dp_i, tp_i), placements)
             local = torch.full(region_shape(region), float("nan"), dtype=ddt)
             want = torch.empty(local.shape, dtype=sdt)
-            _fill(want, region, i)
+            fill_pattern(want, shape, region, i)
             expect[name] = want.to(ddt)
             dst[name] = (DTensorRef(local, shape), dst_mesh, placements)
     r = Resharder(group, src, dst, bucket_bytes=int(cfg["bucket_mib"] * MIB))
     return r, expect
-
-
-def _fill(t, region, salt):
-    """Deterministic values that depend on the global index, so misplaced bytes show."""
-    import torch
-
-    idx = None
-    for d, intervals in enumerate(region):
-        ix = torch.tensor([i for a, b in intervals for i in range(a, b)], dtype=torch.float64)
-        shape = [1] * len(region)
-        shape[d] = -1
-        term = ix.reshape(shape) * (1.0 + d * 0.001)
-        idx = term if idx is None else idx + term
-    if idx is None:
-        t.fill_(salt)
-        return
-    t.copy_(torch.sin(idx * 0.37 + salt).expand(t.shape))
 
 
 _STATE = {}
@@ -248,7 +233,7 @@ def run_cpu(args) -> dict:
     }
     tensors = model_tensors(args.layers, args.hidden, args.vocab)
     itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-    sizes = [itemsize * _numel(s) for _, s, _ in tensors]
+    sizes = [itemsize * math.prod(s) for _, s, _ in tensors]
     world = args.src + args.dst_tp * args.dst_dp
     t0 = time.perf_counter()
     with LocalFleet(world) as fleet:
@@ -286,13 +271,6 @@ def run_cpu(args) -> dict:
         result.update(golden_s=golden_s, speedup_vs_golden=golden_s / refit_s,
                       golden_correct=all(r["golden_correct"] for r in ranks))
     return result
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _min_needed(ranks, min_bytes_needed, cfg):

@@ -92,6 +92,18 @@ def row_chunks(t: torch.Tensor):
         yield slice(a, min(a + step, rows))
 
 
+def fill_pattern(t: torch.Tensor, shape: tuple[int, ...], region, seed: int) -> None:
+    """Write ``pattern`` into ``t``, the local tensor of ``region`` of a global tensor of ``shape``."""
+    for rows in row_chunks(t) if t.numel() else ():
+        t[rows].copy_(pattern(shape, region, seed, t.device, rows))
+
+
+def holds_pattern(t: torch.Tensor, shape: tuple[int, ...], region, seed: int) -> bool:
+    """Whether ``t`` holds ``pattern`` bit for bit (in its own dtype)."""
+    return all(torch.equal(t[rows], pattern(shape, region, seed, t.device, rows).to(t.dtype))
+               for rows in (row_chunks(t) if t.numel() else ()))
+
+
 @dataclass(frozen=True)
 class HeldTensor:
     """One tensor as one rank holds it: where it sits in the global tensor, and its seed."""
@@ -127,10 +139,7 @@ class BenchTrainer(TrainerEndpoint):
         builder = LayoutBuilder(model, TrainParallel(tp=world_size), EngineParallel())
         self.held = held_tensors(model, builder.src, rank, 0, dtype, device)
         for h in self.held.values():
-            t = h.shard.tensor
-            if t.numel():
-                for rows in row_chunks(t):
-                    t[rows].copy_(pattern(h.shard.global_shape, h.region, h.seed, t.device, rows))
+            fill_pattern(h.shard.tensor, h.shard.global_shape, h.region, h.seed)
 
     def refit_sources(self):
         return {n: h.shard for n, h in self.held.items()}
@@ -151,13 +160,8 @@ class BenchEngine(EngineEndpoint):
 
     def bench_wrong_tensors(self) -> list[str]:
         """Names of the tensors whose elements differ from the trainer's pattern, bit for bit."""
-        wrong = []
-        for name, h in self.held.items():
-            t = h.shard.tensor
-            if t.numel() and not all(torch.equal(t[rows], pattern(h.shard.global_shape, h.region, h.seed, t.device,
-                                                                   rows).to(t.dtype)) for rows in row_chunks(t)):
-                wrong.append(name)
-        return wrong
+        return [n for n, h in self.held.items() if not holds_pattern(h.shard.tensor, h.shard.global_shape, h.region,
+                                                                      h.seed)]
 
 
 # -- layout and fleet ------------------------------------------------------------------------------
