@@ -35,9 +35,8 @@ from refit.errors import LayoutError, PlanError, RefitError, TransportError
 from refit.layout import (
     DTensorRef,
     dtype_name,
-    region_shape,
 )
-from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout
+from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout, check_local_shapes
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
@@ -330,13 +329,6 @@ class _RefitEndpoint:
             if layout.coords(spec.rank) is None:
                 raise LayoutError(f"{self._refit_label()}: {name}: mesh {local_mesh.tolist()} (communicator ranks "
                                   f"{mesh}) does not contain this rank")
-            want = region_shape(layout.region(shard.global_shape, spec.rank))
-            if tuple(shard.tensor.shape) != want:
-                raise LayoutError(
-                    f"{self._refit_label()}: {name}: local tensor of shape {list(shard.tensor.shape)}, but "
-                    f"{list(layout.placements)} on mesh {local_mesh.tolist()} gives this rank {list(want)} of "
-                    f"global {list(shard.global_shape)}"
-                )
             st.layouts[name] = (tuple(shard.tensor.shape), dt)
             entries.append(RosterEntry.make(name, shard.global_shape, dt, mesh, shard.placements, self._refit_role))
         st.shards = dict(shards)
@@ -364,6 +356,10 @@ class _RefitEndpoint:
                 st.executor.close()
                 st.executor = None
             local = {n: shard.tensor for n, shard in st.shards.items()}
+            try:
+                check_local_shapes(index, rank, {self._refit_role: {n: t.shape for n, t in local.items()}})
+            except LayoutError as e:
+                raise LayoutError(f"{self._refit_label()}: {e}") from None
             device = self._refit_tensor_device(st.shards)
             if mode == "reshard":
                 plan = st.plans.get(index, rank, bucket_bytes=bucket_bytes)
