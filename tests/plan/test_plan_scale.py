@@ -18,19 +18,15 @@ from refit.layout import dtype_from_name, intersect_regions, region_numel, regio
 from refit.models import MODELS, build_index, parse_engine, parse_train
 from refit.models.parallel import node_map
 from refit.plan import (
-    LayoutGeometry as _LayoutGeometry,
-)
-from refit.plan import (
+    LayoutGeometry,
     PlanStats,
     build_rank_plan,
+    contiguous,
     merge_rosters,
     reset_planner_cache,
     split_box,
     task_id,
     wire_dtype,
-)
-from refit.plan import (
-    contiguous as _contiguous,
 )
 
 # Timing targets hold on an idle 2-core machine; a loaded CI host gets this much slack.
@@ -53,14 +49,14 @@ def reference_ops(index, rank: int, bucket_bytes: int) -> list[tuple]:
     for name in index.by_rank.get(rank, ()):
         spec = index.specs[name]
         shape, src, dsts = spec.shape, spec.src, spec.dsts
-        geo_src = _LayoutGeometry(shape, src)
+        geo_src = LayoutGeometry(shape, src)
         rot_of = lambda k: int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") % k
 
         def wsize(g):
             return _itemsize(wire_dtype(src.dtype, dsts[g].dtype))
 
         def consumers(g, sreg, reps):
-            geo = _LayoutGeometry(shape, dsts[g])
+            geo = LayoutGeometry(shape, dsts[g])
             rs = sorted((r for k in geo.overlapping_keys(sreg) for r in dsts[g].replicas(k) if r not in reps),
                         key=dsts[g].flat_index)
             return [(r, region_overlap_numel(sreg, dsts[g].region(shape, r)) * wsize(g)) for r in rs]
@@ -75,8 +71,8 @@ def reference_ops(index, rank: int, bucket_bytes: int) -> list[tuple]:
             res = []
             for box in intersect_regions(sreg, dreg):
                 for p in split_box(box, _itemsize(wire), bucket_bytes):
-                    direct = (src.dtype == wire == dsts[g].dtype and _contiguous(p.shape, region_shape(sreg))
-                              and _contiguous(p.shape, region_shape(dreg)))
+                    direct = (src.dtype == wire == dsts[g].dtype and contiguous(p.shape, region_shape(sreg))
+                              and contiguous(p.shape, region_shape(dreg)))
                     res.append((task_id(name, d, p.start, p.shape), name, s, d, p, wire, direct))
             return res
 
