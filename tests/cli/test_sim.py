@@ -101,7 +101,8 @@ def test_cli_help(capsys):
         main(["plan", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--json", "--png", "--rank", "--nic-gbps", "--nvlink-gbps", "--gpus-per-node", "--fanout", "--scaling"):
+    flags = ("--json", "--png", "--rank", "--nic-gbps", "--nvlink-gbps", "--gpus-per-node", "--fanout", "--scaling")
+    for flag in flags:
         assert flag in out
 
 

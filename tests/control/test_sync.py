@@ -68,7 +68,7 @@ def synced():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("cls", SYNCS, ids=["reshard", "collective"])
-@pytest.mark.parametrize("topology", [(2, 2, 2), (1, 3, 1), (3, 2, 3)], ids=lambda t: "t%ds%dw%d" % t)
+@pytest.mark.parametrize("topology", [(2, 2, 2), (1, 3, 1), (3, 2, 3)], ids=lambda t: f"t{t[0]}s{t[1]}w{t[2]}")
 def test_weights_arrive_exactly(synced, cls, topology):
     sync, trainers, engines = synced(cls, *topology)
     assert isinstance(sync, WeightSynchronizer)

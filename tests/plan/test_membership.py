@@ -73,7 +73,8 @@ def test_layout_properties(topology, rnd):
     assert list(m.shard_prefixes.values()) == [i * wps for i in range(len(survivors))]  # contiguous from 0
     assert m.world_size == train + len(survivors) * wps
     assert m.gen_world_size == len(survivors) * wps
-    assert m == desired_membership(absent_shards=sorted(absent), dp_size=dp, total_gen_workers=dp * wps, train_world_size=train)
+    assert m == desired_membership(absent_shards=sorted(absent), dp_size=dp, total_gen_workers=dp * wps,
+                                   train_world_size=train)
 
 
 @given(topologies(), st.booleans())
@@ -83,7 +84,8 @@ def test_should_rebuild_first_refit_and_changes(topology, force):
     desired = desired_membership(absent_shards=absent, **kwargs)
     # built=None is the full fleet: a rebuild is needed exactly when someone is absent.
     assert should_rebuild(desired=desired, built=None, absent_shards=absent, force=force) == bool(absent)
-    assert should_rebuild(desired=desired, built=full(dp, wps, train), absent_shards=absent, force=force) == bool(absent)
+    rebuild = should_rebuild(desired=desired, built=full(dp, wps, train), absent_shards=absent, force=force)
+    assert rebuild == bool(absent)
     # Already built over exactly the desired fleet: only a forced rebuild with someone absent.
     assert should_rebuild(desired=desired, built=desired, absent_shards=absent, force=force) == (force and bool(absent))
 

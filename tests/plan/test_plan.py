@@ -189,7 +189,8 @@ def test_placements_count_and_shard_dim():
     with pytest.raises(LayoutError, match=r"w \(src on rank 0\): 1 placement"):
         merge_rosters({0: [_entry("w", (4,), [[0]], [Shard(0)], "src")]}, 1)
     with pytest.raises(LayoutError, match=r"w \(dst on rank 1\): Shard\(3\) shards dim 3"):
-        merge_rosters({0: [_entry("w", (4,), [0], [Shard(0)], "src")], 1: [_entry("w", (4,), [1], [Shard(3)], "dst")]}, 2)
+        merge_rosters({0: [_entry("w", (4,), [0], [Shard(0)], "src")],
+                       1: [_entry("w", (4,), [1], [Shard(3)], "dst")]}, 2)
 
 
 def test_mesh_rank_outside_group_and_duplicates():

@@ -32,7 +32,7 @@ def test_synthetic_model_is_deterministic_and_step_dependent():
     assert torch.equal(full, synthetic_param(name, shapes[name], 0))
     engine = SyntheticEngine(0, 1, 2, hidden=16, layers=1)
     assert name in engine.check_weights(0)  # zeros until weights land
-    for n, (t, shape, mesh, placements) in engine.refit_destinations().items():
+    for n, (t, shape, mesh, _placements) in engine.refit_destinations().items():
         assert t.dtype == torch.bfloat16 and mesh == [0, 1] and tuple(shape) == shapes[n]
 
 

@@ -49,12 +49,14 @@ def test_xferdtensor_matches_expected_and_golden(fleet, case):
 
 BAD = {
     "no_source": r"src_tensor: rank 0 is in src_mesh \[0, 1\] but passed None",
-    "shape_mismatch": r"global shape mismatch between ranks: \[8, 4\] on \['src@0', 'src@1'\]; \[8, 5\] on \['dst@2', 'dst@3'\]",
+    "shape_mismatch": (r"global shape mismatch between ranks: \[8, 4\] on \['src@0', 'src@1'\]; "
+                       r"\[8, 5\] on \['dst@2', 'dst@3'\]"),
     "placements_count": r"tensor \(src on rank 0\): 2 placement\(s\) .* for a 1-d mesh",
     "shard_dim": r"tensor \(dst on rank 2\): Shard\(2\) shards dim 2 of a 2-d tensor",
     "outside_group": r"dst_mesh: rank\(s\) \[9\] outside the process group of world size 4",
     "duplicate": r"rank\(s\) \[2\] listed more than once",
-    "local_shape": r"dst_tensor / dst_placement: tensor: rank 2.s local dst tensor has shape \[3, 4\], but .*gives it \[4, 4\]",
+    "local_shape": (r"dst_tensor / dst_placement: tensor: rank 2.s local dst tensor has shape \[3, 4\], "
+                    r"but .*gives it \[4, 4\]"),
 }
 
 
@@ -81,8 +83,10 @@ def test_torch_default_group_and_torch_dtensor_with_strided_shard():
         f.run(xfer_jobs.init_default_group, free_port())
         results = f.run(xfer_jobs.torch_dtensor_strided)
         assert all(ok for _, ok in results), results
-        case = {"shape": (7, 5), "seed": 3, "src_mesh": [[0, 1], [2, 3]], "src_pl": [xfer_jobs.refit.Shard(0), xfer_jobs.refit.Shard(1)],
-                "dst_mesh": [1, 2], "dst_pl": [xfer_jobs.refit.Replicate()], "src_dtype": "float32", "dst_dtype": "bfloat16"}
+        case = {"shape": (7, 5), "seed": 3,
+                "src_mesh": [[0, 1], [2, 3]], "src_pl": [xfer_jobs.refit.Shard(0), xfer_jobs.refit.Shard(1)],
+                "dst_mesh": [1, 2], "dst_pl": [xfer_jobs.refit.Replicate()],
+                "src_dtype": "float32", "dst_dtype": "bfloat16"}
         res = f.run(xfer_jobs.reshard, case, True)
         assert [r["xferdtensor"] for r in res] == [None, True, True, None]
         assert [r["xferdtensor_golden"] for r in res] == [None, True, True, None]
