@@ -62,9 +62,8 @@ def fused_engine(model: dict, dtype, device) -> tuple[dict, dict]:
     """vLLM-style parameters (fused qkv_proj / gate_up_proj) and, per HF name, a view into them."""
     import torch
 
-    layout = FusedLayout(bench_spec(model))
-    params = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in layout.local_shapes().items()}
-    return params, {name: ref.to_local() for name, (ref, _, _) in layout.views(params).items()}
+    params, views = FusedLayout(bench_spec(model)).build(lambda shape: torch.empty(shape, dtype=dtype, device=device))
+    return params, {name: ref.to_local() for name, (ref, _, _) in views.items()}
 
 
 def fill_pattern(t, seed: int, chunk: int = 1 << 26) -> None:

@@ -7,7 +7,7 @@ rank), vocab-parallel embedding and head, and routed experts as ``w13``
 Key/value heads are replicated when tp exceeds them: rank ``t`` holds kv head
 ``t // (tp / kv_heads)``.
 
-``FusedLayout.views`` exposes those fused tensors to refit under canonical names
+``FusedLayout.build`` makes those fused tensors and exposes them to refit under canonical names
 (``refit.models.specs``), one ``(DTensorRef, mesh, placements)`` per canonical param, whose
 local tensor is a VIEW of the fused tensor: the q/k/v row blocks of ``qkv_proj``, the gate/up
 row blocks of ``gate_up_proj``, ``w13[e, :Ie/tp]`` ... A refit writes through those views, so
@@ -25,7 +25,7 @@ every expert to its one owner only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,39 +112,21 @@ class FusedLayout:
     def vocab(self) -> int:
         return self.spec.vocab_size // self.tp_size
 
-    def local_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every fused tensor of this rank, by its vLLM name, with its local shape (checkpoint order)."""
-        s = self.spec
-        h, hd = s.hidden_size, s.head_dim
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
-        for layer in range(s.num_layers):
-            p = f"model.layers.{layer}"
-            out[f"{p}.input_layernorm.weight"] = (h,)
-            out[f"{p}.self_attn.qkv_proj.weight"] = ((self.heads + 2 * self.kv_heads) * hd, h)
-            out[f"{p}.self_attn.o_proj.weight"] = (h, self.heads * hd)
-            if s.qk_norm:
-                out[f"{p}.self_attn.q_norm.weight"] = (hd,)
-                out[f"{p}.self_attn.k_norm.weight"] = (hd,)
-            out[f"{p}.post_attention_layernorm.weight"] = (h,)
-            if s.is_moe_layer(layer):
-                out[f"{p}.mlp.gate.weight"] = (s.num_experts, h)
-                out[f"{p}.mlp.experts.w13_weight"] = (len(self.experts), 2 * self.expert_inter, h)
-                out[f"{p}.mlp.experts.w2_weight"] = (len(self.experts), h, self.expert_inter)
-            else:
-                out[f"{p}.mlp.gate_up_proj.weight"] = (2 * self.inter, h)
-                out[f"{p}.mlp.down_proj.weight"] = (h, self.inter)
-        out["model.norm.weight"] = (h,)
-        if not s.tie_word_embeddings:
-            out["lm_head.weight"] = (self.vocab, h)
-        return out
+    # -- the tensors and what refit sees --------------------------------------------------------
+    def build(self, new: Callable[[tuple[int, ...]], torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Entry]]:
+        """This rank's fused tensors, each made by ``new(local_shape)``, and the canonical views into them.
 
-    # -- what refit sees -----------------------------------------------------------------------
-    def views(self, fused: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
-        """``{canonical_name: (DTensorRef view, mesh, placements)}`` over the tensors of ``local_shapes``.
-
-        Meshes are in the shard's own workers ``0 .. tp-1`` (``offset_entries`` moves them).
+        Returns ``(fused, views)``: ``{vLLM name: tensor}`` in checkpoint order and
+        ``{canonical_name: (DTensorRef view, mesh, placements)}``, meshes in the shard's own
+        workers ``0 .. tp-1`` (``offset_entries`` moves them).
         """
-        s, w, tp = self.spec, fused, self.tp_size
+        fused: dict[str, torch.Tensor] = {}
+
+        def hold(name: str, *shape: int) -> torch.Tensor:
+            fused[name] = new(shape)
+            return fused[name]
+
+        s, tp = self.spec, self.tp_size
         h, hd = s.hidden_size, s.head_dim
         mesh = np.arange(tp)
         col, row, rep = (Shard(0),), (Shard(1),), (Replicate(),)
@@ -153,13 +135,16 @@ class FusedLayout:
         def put(name: str, local: torch.Tensor, shape, m: np.ndarray, placements: tuple[Placement, ...]) -> None:
             out[name] = (DTensorRef(local, shape), m, placements)
 
-        put("model.embed_tokens.weight", w["model.embed_tokens.weight"], (s.vocab_size, h), mesh, col)
+        def own(name: str, local_shape: tuple[int, ...], shape: tuple[int, ...], placements) -> None:
+            put(name, hold(name, *local_shape), shape, mesh, placements)  # unfused: the canonical name is its own
+
+        own("model.embed_tokens.weight", (self.vocab, h), (s.vocab_size, h), col)
         q_rows, kv_rows = self.heads * hd, self.kv_heads * hd
         for layer in range(s.num_layers):
             p = f"model.layers.{layer}"
             a = f"{p}.self_attn"
-            put(f"{p}.input_layernorm.weight", w[f"{p}.input_layernorm.weight"], (h,), mesh, rep)
-            qkv = w[f"{a}.qkv_proj.weight"]
+            own(f"{p}.input_layernorm.weight", (h,), (h,), rep)
+            qkv = hold(f"{a}.qkv_proj.weight", q_rows + 2 * kv_rows, h)
             blocks = {"q": qkv[:q_rows], "k": qkv[q_rows:q_rows + kv_rows], "v": qkv[q_rows + kv_rows:]}
             for which, local in blocks.items():
                 heads = s.num_heads if which == "q" else s.num_kv_heads
@@ -172,15 +157,16 @@ class FusedLayout:
                 else:
                     shape = (heads * hd, h)
                 put(f"{a}.{which}_proj.weight", local, shape, m, pl)
-            put(f"{a}.o_proj.weight", w[f"{a}.o_proj.weight"], (h, s.num_heads * hd), mesh, row)
+            own(f"{a}.o_proj.weight", (h, q_rows), (h, s.num_heads * hd), row)
             if s.qk_norm:
-                put(f"{a}.q_norm.weight", w[f"{a}.q_norm.weight"], (hd,), mesh, rep)
-                put(f"{a}.k_norm.weight", w[f"{a}.k_norm.weight"], (hd,), mesh, rep)
-            put(f"{p}.post_attention_layernorm.weight", w[f"{p}.post_attention_layernorm.weight"], (h,), mesh, rep)
+                own(f"{a}.q_norm.weight", (hd,), (hd,), rep)
+                own(f"{a}.k_norm.weight", (hd,), (hd,), rep)
+            own(f"{p}.post_attention_layernorm.weight", (h,), (h,), rep)
             if s.is_moe_layer(layer):
-                put(f"{p}.mlp.gate.weight", w[f"{p}.mlp.gate.weight"], (s.num_experts, h), mesh, rep)
-                w13, w2 = w[f"{p}.mlp.experts.w13_weight"], w[f"{p}.mlp.experts.w2_weight"]
-                ie, il = s.moe_intermediate_size, self.expert_inter
+                own(f"{p}.mlp.gate.weight", (s.num_experts, h), (s.num_experts, h), rep)
+                ie, il, n = s.moe_intermediate_size, self.expert_inter, len(self.experts)
+                w13 = hold(f"{p}.mlp.experts.w13_weight", n, 2 * il, h)
+                w2 = hold(f"{p}.mlp.experts.w2_weight", n, h, il)
                 # under EP an expert lives whole on its owner: a one-rank mesh, nothing to cut
                 m, c, r = (np.array([self.tp_rank]), rep, rep) if self.expert_parallel else (mesh, col, row)
                 for i, e in enumerate(self.experts):
@@ -189,11 +175,11 @@ class FusedLayout:
                     put(f"{x}.up_proj.weight", w13[i, il:], (ie, h), m, c)
                     put(f"{x}.down_proj.weight", w2[i], (h, ie), m, r)
             else:
-                gu = w[f"{p}.mlp.gate_up_proj.weight"]
+                gu = hold(f"{p}.mlp.gate_up_proj.weight", 2 * self.inter, h)
                 put(f"{p}.mlp.gate_proj.weight", gu[:self.inter], (s.intermediate_size, h), mesh, col)
                 put(f"{p}.mlp.up_proj.weight", gu[self.inter:], (s.intermediate_size, h), mesh, col)
-                put(f"{p}.mlp.down_proj.weight", w[f"{p}.mlp.down_proj.weight"], (h, s.intermediate_size), mesh, row)
-        put("model.norm.weight", w["model.norm.weight"], (h,), mesh, rep)
+                own(f"{p}.mlp.down_proj.weight", (h, self.inter), (h, s.intermediate_size), row)
+        own("model.norm.weight", (h,), (h,), rep)
         if not s.tie_word_embeddings:
-            put("lm_head.weight", w["lm_head.weight"], (s.vocab_size, h), mesh, col)
-        return out
+            own("lm_head.weight", (self.vocab, h), (s.vocab_size, h), col)
+        return fused, out

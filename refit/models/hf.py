@@ -43,14 +43,8 @@ from refit.layout import (
 )
 from refit.models.megatron import Entry
 
-__all__ = [
-    "canonical_from_hf",
-    "dtensor_entries",
-    "hf_from_canonical",
-    "lift_placements",
-    "narrow_entry",
-    "select_entry",
-]
+__all__ = ["canonical_from_hf", "dtensor_entries", "hf_from_canonical", "lift_placements", "narrow_entry",
+           "select_entry"]
 
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 

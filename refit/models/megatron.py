@@ -81,7 +81,7 @@ import torch
 
 from refit.errors import LayoutError
 from refit.layout import DTensorRef, Placement, Replicate, Shard, chunk_bounds
-from refit.models.parallel import TrainParallel
+from refit.models.parallel import TrainParallel, squeeze_mesh
 from refit.models.specs import ModelSpec
 
 __all__ = [
@@ -185,13 +185,6 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _TE_EXPERT = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
 
 
-def _squeeze(mesh: np.ndarray, placements: tuple[Placement, ...]) -> tuple[np.ndarray, tuple[Placement, ...]]:
-    keep = [i for i, n in enumerate(mesh.shape) if n > 1]
-    if not keep:
-        return mesh.reshape(1), (Replicate(),)
-    return mesh.reshape([mesh.shape[i] for i in keep]), tuple(placements[i] for i in keep)
-
-
 class MegatronLayout:
     """Maps one Megatron-core trainer rank's local state dict to canonical views, and back.
 
@@ -260,8 +253,8 @@ class MegatronLayout:
         tp_row = (Replicate(), Replicate(), Shard(1))
 
         def put(name: str, local: torch.Tensor, shape, mesh: np.ndarray, placements) -> None:
-            mesh, placements = _squeeze(mesh, tuple(placements))
-            out[name] = (DTensorRef(local, shape), mesh, placements)
+            mesh_shape, placements = squeeze_mesh(mesh.shape, tuple(placements))
+            out[name] = (DTensorRef(local, shape), mesh.reshape(mesh_shape), placements)
 
         last = len(self.stages) - 1
         for key in sorted(state):

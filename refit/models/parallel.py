@@ -210,7 +210,7 @@ def _tp_placements(p: ParamShape, tp: int) -> tuple[tuple[int, ...], tuple[Place
     raise LayoutError(f"{p.name}: unknown sharding kind {kind!r}")
 
 
-def _squeeze(shape: tuple[int, ...], placements: tuple[Placement, ...]):
+def squeeze_mesh(shape: tuple[int, ...], placements: tuple[Placement, ...]):
     """Drop mesh dims of size 1 (they change nothing), keeping at least one."""
     keep = [i for i, n in enumerate(shape) if n > 1]
     if not keep:
@@ -266,14 +266,14 @@ class LayoutBuilder:
             lay = self._src.get(key)
             if lay is None:
                 ranks = [base + x + etp * (j + ep * d) for d in range(edp) for x in range(etp)]
-                shape, places = _squeeze((edp, etp), (Replicate(), Shard(0 if p.kind == "ecol" else 1)))
+                shape, places = squeeze_mesh((edp, etp), (Replicate(), Shard(0 if p.kind == "ecol" else 1)))
                 lay = self._src[key] = self._intern(ranks, shape, places, self.train_dtype)
             return lay
         key = ("d", stage, p.kind, p.heads)
         lay = self._src.get(key)
         if lay is None:
             tp_shape, tp_places = _tp_placements(p, t.tp)
-            shape, places = _squeeze((t.dp, t.cp) + tp_shape, (Replicate(), Replicate()) + tp_places)
+            shape, places = squeeze_mesh((t.dp, t.cp) + tp_shape, (Replicate(), Replicate()) + tp_places)
             lay = self._src[key] = self._intern(range(base, base + t.stage_size), shape, places, self.train_dtype)
         return lay
 
@@ -293,7 +293,7 @@ class LayoutBuilder:
         lays = self._dst.get(key)
         if lays is None:
             tp_shape, tp_places = _tp_placements(p, e.tp)
-            shape, places = _squeeze(tp_shape, tp_places)
+            shape, places = squeeze_mesh(tp_shape, tp_places)
             lays = self._dst[key] = tuple(
                 self._intern(range(off + d * e.tp, off + (d + 1) * e.tp), shape, places, self.engine_dtype)
                 for d in range(e.dp))
@@ -347,4 +347,4 @@ def node_map(train_world: int, engine_offset: int, world: int, gpus_per_node: in
 
 
 __all__ = ["EngineParallel", "LayoutBuilder", "TrainParallel", "build_index", "build_rosters", "node_map",
-           "parse_engine", "parse_train"]
+           "parse_engine", "parse_train", "squeeze_mesh"]

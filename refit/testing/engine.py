@@ -35,17 +35,8 @@ from refit.models.megatron import Entry
 from refit.models.specs import ModelSpec, hf_config_dict, load_hf_config
 from refit.runtime.endpoint import EngineEndpoint
 
-__all__ = [
-    "EngineConfig",
-    "EngineShard",
-    "EngineWorker",
-    "TPComm",
-    "StatelessTPComm",
-    "ThreadTPComm",
-    "TorchTPComm",
-    "random_canonical_state",
-    "shared_gpu",
-]
+__all__ = ["EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm", "ThreadTPComm", "TorchTPComm",
+           "random_canonical_state", "shared_gpu"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +106,14 @@ class TorchTPComm:
         return out
 
 
+def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out`` := the sum of ``parts`` added in rank order, so every rank gets the same bits."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return out.copy_(total)
+
+
 class StatelessTPComm:
     """``TPComm`` over a ``refit.StatelessProcessGroup`` of the shard's workers (no torch world needed).
 
@@ -134,12 +133,7 @@ class StatelessTPComm:
         return out
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self.all_gather(t)
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        t.copy_(total)
-        return t
+        return _sum_in_rank_order(self.all_gather(t), t)
 
 
 class ThreadTPComm:
@@ -169,11 +163,7 @@ class ThreadTPComm:
         return self._exchange(t)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(t)
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        return t.copy_(total)
+        return _sum_in_rank_order(self._exchange(t), t)
 
     def abort(self) -> None:
         """Release ranks waiting in a collective (after one rank failed)."""
@@ -202,9 +192,7 @@ class EngineShard(EngineEndpoint):
         self.expert_parallel, self.e_inter = expert_parallel, layout.expert_inter
         self.experts = layout.experts  # the routed experts this worker computes
         self.vocab = layout.vocab
-        self.weights = {name: torch.full(shape, fill, dtype=dtype, device=self.device)
-                        for name, shape in layout.local_shapes().items()}
-        self._views = layout.views(self.weights)
+        self.weights, self._views = layout.build(lambda shape: torch.full(shape, fill, dtype=dtype, device=self.device))
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- what refit sees -----------------------------------------------------------------------

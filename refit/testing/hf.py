@@ -31,17 +31,8 @@ from refit.models.megatron import Entry
 from refit.runtime.endpoint import TrainerEndpoint
 from refit.testing.engine import shared_gpu
 
-__all__ = [
-    "HFTrainer",
-    "HFTrainerWorker",
-    "build_config",
-    "build_model",
-    "greedy",
-    "shard_model",
-    "tiny_llama_config",
-    "tiny_qwen3_moe_config",
-    "tp_plan",
-]
+__all__ = ["HFTrainer", "HFTrainerWorker", "build_config", "build_model", "greedy", "shard_model", "tiny_llama_config",
+           "tiny_qwen3_moe_config", "tp_plan"]
 
 # -- configs and models ------------------------------------------------------------------------
 

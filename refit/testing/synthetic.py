@@ -14,17 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from refit.layout import Placement, Replicate, Shard, shard_region
+from refit.layout import Placement, Replicate, Shard, region_shape, shard_region, shard_slices
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
 
-__all__ = [
-    "SyntheticEngine",
-    "SyntheticTrainer",
-    "engine_placement",
-    "synthetic_param",
-    "synthetic_shapes",
-    "trainer_placement",
-]
+__all__ = ["SyntheticEngine", "SyntheticTrainer", "engine_placement", "synthetic_param", "synthetic_shapes",
+           "trainer_placement"]
 
 
 def synthetic_shapes(hidden: int = 64, layers: int = 2, vocab: int = 96) -> dict[str, tuple[int, ...]]:
@@ -45,11 +39,6 @@ def synthetic_param(name: str, shape: Sequence[int], step: int) -> torch.Tensor:
     seed = int.from_bytes(hashlib.blake2b(f"{name}|{step}".encode(), digest_size=4).digest(), "little")
     g = torch.Generator().manual_seed(seed)
     return torch.randn(tuple(shape), generator=g, dtype=torch.float32)
-
-
-def _local_part(full: torch.Tensor, region) -> torch.Tensor:
-    """The part of ``full`` that ``region`` (from ``shard_region``) covers, as a view."""
-    return full[tuple(slice(iv[0][0], iv[-1][1]) if iv else slice(0, 0) for iv in region)]
 
 
 def trainer_placement(name: str) -> Placement:
@@ -87,8 +76,8 @@ class SyntheticTrainer(TrainerEndpoint):
         """Load the weights of ``step`` (what an optimizer step would have produced)."""
         for name, shape in self.shapes.items():
             full = synthetic_param(name, shape, step)
-            region = shard_region(shape, [self.world_size], [self.rank], [trainer_placement(name)])
-            local = _local_part(full, region).contiguous().to(self.device)
+            local = full[shard_slices(shape, [self.world_size], [self.rank], [trainer_placement(name)])]
+            local = local.contiguous().to(self.device)
             if name in self.params:
                 self.params[name].copy_(local)
             else:
@@ -121,8 +110,7 @@ class SyntheticEngine(EngineEndpoint):
         self.params = {}
         for name, shape in self.shapes.items():
             region = shard_region(shape, [workers_per_shard], [worker], [engine_placement(name)])
-            self.params[name] = torch.zeros([sum(b - a for a, b in iv) for iv in region], dtype=self.dtype,
-                                            device=device)
+            self.params[name] = torch.zeros(region_shape(region), dtype=self.dtype, device=device)
 
     def refit_destinations(self):
         return {n: (t, self.shapes[n], self.mesh, [engine_placement(n)]) for n, t in self.params.items()}
@@ -141,8 +129,7 @@ class SyntheticEngine(EngineEndpoint):
         wrong = []
         for name, shape in self.shapes.items():
             full = synthetic_param(name, shape, step).to(self.dtype)
-            region = shard_region(shape, [self.workers_per_shard], [self.worker], [engine_placement(name)])
-            want = _local_part(full, region)
+            want = full[shard_slices(shape, [self.workers_per_shard], [self.worker], [engine_placement(name)])]
             if not torch.equal(want, self.params[name].cpu()):
                 wrong.append(name)
         return wrong
