@@ -21,6 +21,7 @@ checks every element it holds against the trainer's pattern.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -287,6 +288,8 @@ def spread(values: list[float], nbytes: int) -> dict:
 def run_sync_bench(args) -> dict:
     from refit import ReshardWeightSynchronizer
 
+    if args.fleet == "ray" and importlib.util.find_spec("ray") is None:
+        raise FlagError("--fleet ray needs Ray (pip install 'refit[ray]'); --fleet local runs without it")
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     layout, note = choose_layout(args, gpus)
     shape = CPU_SHAPE if args.device == "cpu" else {"layers": None, "hidden": None}
