@@ -25,12 +25,3 @@ def test_sync_path_json_reports_both_paths_and_verified_bytes():
     assert r["sync_over_raw"] == r["sync"]["median_s"] / r["raw"]["median_s"]
     assert r["verified"] and r["same_bytes"] and r["correct"] and r["wrong"] == {}
     assert r["rebuilds_after_init"] == 0
-
-
-def test_flags_of_another_run_are_refused_by_name():
-    proc = bench("--path", "sync", "--repeat", "5", "--skip-golden", timeout=60)
-    assert proc.returncode == 2
-    assert "--repeat, --skip-golden do not apply" in proc.stderr
-    proc = bench("--device", "cuda", "--transport", "nixl", "--src", "2", "--gpu-refits", "3", timeout=60)
-    assert proc.returncode == 2
-    assert "--gpu-refits, --src do not apply" in proc.stderr
