@@ -25,9 +25,11 @@ from refit.membership import NoSurvivingShards  # noqa: E402
 from refit.runtime.ray import RayFleet, RayWorker  # noqa: E402
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer  # noqa: E402
 
-TIMEOUT_S = 6.0  # refit_timeout_s: every worker's deadline for one transfer
-GRACE_S = 2.0
-PING_S = 2.0
+# Deadlines only a frozen worker reaches: on a busy machine a healthy worker that missed a deadline of a few
+# seconds would be reported as frozen, and the test would fail for the scheduler's sake.
+TIMEOUT_S = 10.0  # refit_timeout_s: every worker's deadline for one transfer
+GRACE_S = 3.0
+PING_S = 3.0
 SLACK_S = 20.0  # what a busy machine may add to a bound the test configured (the frozen worker stays stopped)
 TRANSFER_DELAY_S = 0.3
 LOAD_DELAY_S = 0.2
@@ -61,7 +63,7 @@ def wrong_weights(fleet, step, skip=()):
     return {k: bad for k, v in refs.items() if (bad := ray.get(v, timeout=60))}
 
 
-def wait_dead(actor, timeout_s=30.0):
+def wait_dead(actor, timeout_s=120.0):
     """Until Ray's control store says the actor is dead (it notices a SIGKILL within milliseconds)."""
     handle = RayWorker(actor)
     deadline = time.monotonic() + timeout_s
@@ -187,7 +189,7 @@ def test_random_kills_recover_verified_readmit_and_stay_bounded(fleet):
     sync.shutdown()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_frozen_worker_raises_clear_error_in_bounded_time_then_recovers(fleet):
     sync = make_sync(fleet)
     sync.init_communicator()
