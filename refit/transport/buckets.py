@@ -7,12 +7,15 @@ here once, so two transports can never disagree about the wire format of one pla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from types import EllipsisType
 
 import torch
 
 from refit.layout import dtype_from_name
 from refit.plan import Bucket, Op, RankPlan
+from refit.transport.base import TensorMap
 
 ALIGN = 256  # staging slots and checksum rows are cut on this grain (the plan's op alignment)
 _ROW_WORDS = ALIGN // 8
@@ -57,30 +60,50 @@ def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], side: str) 
     return flat_bytes(view)
 
 
-def pack_bucket(bucket: Bucket, src: Mapping[str, torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+def pack_bucket(bucket: Bucket, src: TensorMap, buf: torch.Tensor, *, ledger: ChecksumLedger | None = None,
+                key: tuple[int, int] | None = None) -> torch.Tensor:
     """Copy (and cast) the bucket's source blocks into the flat byte buffer ``buf``.
 
     Alignment gaps are zeroed, so a bucket's bytes (and its checksum) depend on the
-    weights alone and never on what the staging memory held before.
+    weights alone and never on what the staging memory held before. With a ``ledger``
+    the checksum is taken while packing (see ``ChecksumLedger``).
     """
     pos = 0
+    summer = ledger.summer(key, buf, bucket.nbytes, sent=True) if ledger is not None else None
     for op, off in zip(bucket.ops, bucket.offsets):
         if off > pos:
             buf[pos:off].zero_()
-        op_view(buf, op, off).copy_(src[op.name][op.box.src_slices()])
+        for piece, end in _pieces(op, summer):
+            op_view(buf, op, off)[piece].copy_(src[op.name][op.box.src_slices()][piece])
+            if summer is not None:
+                summer.upto(off + end)
         pos = off + op.nbytes
     if bucket.nbytes > pos:
         buf[pos:bucket.nbytes].zero_()
+    if summer is not None:
+        summer.upto(bucket.nbytes)
     return buf
 
 
-def unpack_bucket(bucket: Bucket, buf: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:
-    """Copy (and cast) the bucket's blocks from the flat byte buffer ``buf`` into their destinations."""
+def unpack_bucket(bucket: Bucket, buf: torch.Tensor, dst: TensorMap, *, ledger: ChecksumLedger | None = None,
+                  key: tuple[int, int] | None = None) -> None:
+    """Copy (and cast) the bucket's blocks from the flat byte buffer ``buf`` into their destinations.
+
+    With a ``ledger`` the checksum of what arrived is taken while unpacking.
+    """
+    summer = ledger.summer(key, buf, bucket.nbytes, sent=False) if ledger is not None else None
     for op, off in zip(bucket.ops, bucket.offsets):
-        dst[op.name][op.box.dst_slices()].copy_(op_view(buf, op, off))
+        if summer is not None:
+            summer.upto(off)  # alignment gaps: zeros that arrived
+        for piece, end in _pieces(op, summer):
+            if summer is not None:  # sum the piece first: the copy out of it then reads it from cache
+                summer.upto(off + end)
+            dst[op.name][op.box.dst_slices()][piece].copy_(op_view(buf, op, off)[piece])
+    if summer is not None:
+        summer.upto(bucket.nbytes)
 
 
-def local_copies(plan: RankPlan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> int:
+def local_copies(plan: RankPlan, src: TensorMap, dst: TensorMap) -> int:
     """The plan's blocks that stay on this rank; returns the bytes copied."""
     moved = 0
     for op in plan.local:
@@ -89,27 +112,70 @@ def local_copies(plan: RankPlan, src: Mapping[str, torch.Tensor], dst: Mapping[s
     return moved
 
 
+# -- checksums ---------------------------------------------------------------------------------
+
+PIECE_BYTES = 1 << 20  # on the host, checksums follow the copies in pieces that are still in cache
+
+
+def _pieces(op: Op, summer: _Summer | None) -> list[tuple[slice | EllipsisType, int]]:
+    """The op's block cut along its first dim into pieces of about ``PIECE_BYTES`` (host checksums only).
+
+    Each piece comes with the byte offset, within the op, where it ends; a piece ends on a
+    256-byte boundary of the bucket, so the checksum of what was copied so far can be taken
+    right after each copy, while it is still in cache, instead of reading the whole bucket
+    again from memory afterwards.
+    """
+    shape = op.box.shape
+    if summer is None or not summer.pieces or op.nbytes <= PIECE_BYTES or not shape or shape[0] < 2:
+        return [(Ellipsis, op.nbytes)]
+    row = op.nbytes // shape[0]
+    step = ALIGN // math.gcd(row, ALIGN)  # rows between 256-byte boundaries
+    per = max(step, PIECE_BYTES // row // step * step)
+    return [(slice(lo, min(lo + per, shape[0])), min(lo + per, shape[0]) * row) for lo in range(0, shape[0], per)]
+
+
+def _row_sums(span: torch.Tensor) -> torch.Tensor:
+    """Sums of the int64 words of each 256-byte row of ``span`` (a short last row is zero-padded)."""
+    if span.data_ptr() % 8:
+        span = span.clone()  # a view into a 2-byte dtype may start mid-word
+    full = span.numel() // ALIGN
+    sums = span[: full * ALIGN].view(torch.int64).view(full, _ROW_WORDS).sum(1)
+    rest = span.numel() - full * ALIGN
+    if rest:
+        last = torch.zeros(ALIGN, dtype=torch.uint8, device=span.device)
+        last[:rest].copy_(span[full * ALIGN:])
+        sums = torch.cat([sums, last.view(torch.int64).sum().reshape(1)])
+    return sums
+
+
+def _weighted(span: torch.Tensor, first_row: int, total_rows: int) -> torch.Tensor:
+    """The checksum terms of the rows in ``span``, which starts at row ``first_row`` of its buffer.
+
+    Row ``i`` of a buffer of ``R`` rows weighs ``2 (R - i) + 1``: the cumulative sum of a
+    span's rows gives ``R - i`` relative to the span's end, the rest is a constant per
+    span. Odd weights keep every single flipped bit visible in int64 arithmetic, which
+    wraps: with an even weight, the top bit of a word would vanish.
+    """
+    sums = _row_sums(span)
+    if not sums.numel():
+        return torch.zeros((), dtype=torch.int64, device=span.device)
+    end = first_row + sums.numel()
+    plain = sums.sum()
+    return 2 * (sums.cumsum(0).sum() + (total_rows - end) * plain) + plain
+
+
 def checksum_tensor(buf: torch.Tensor) -> torch.Tensor:
     """A position-weighted checksum of a flat byte buffer, as a 0-d int64 tensor on its device.
 
-    The bytes are read once as 256-byte rows of int64 words: each row is summed and the
-    row sums are weighted by their position (a cumulative sum). Ops sit in buckets on
-    256-byte boundaries, so a flipped byte, a block written to the wrong offset or a
-    bucket delivered to the wrong peer all change it; a swap of two words inside one row
-    does not. It stays on the device, so an executor collects every bucket's value and
-    reads them all with one host synchronisation per refit. Not a cryptographic digest.
+    The bytes are read as 256-byte rows of int64 words: each row is summed and row ``i``
+    of ``R`` is weighted by ``2 (R - i) + 1``. Ops sit in buckets on 256-byte boundaries, so a
+    flipped byte, a block written to the wrong offset or a bucket delivered to the wrong
+    peer all change it; a swap of two words inside one row does not. The value can be
+    assembled from 256-aligned spans in any order (``ChecksumLedger`` does, following the
+    copies), and stays on the device. Not a cryptographic digest.
     """
     n = buf.numel()
-    if buf.data_ptr() % 8:
-        buf = buf.clone()  # a view into a 2-byte dtype may start mid-word
-    rows = n // ALIGN
-    head = buf[: rows * ALIGN].view(torch.int64)
-    total = head.view(rows, _ROW_WORDS).sum(1).cumsum(0).sum() if rows else torch.zeros((), dtype=torch.int64,
-                                                                                       device=buf.device)
-    tail = buf[rows * ALIGN:]
-    if tail.numel():
-        total = total + tail.to(torch.int64).sum() * (rows + 1)
-    return total + n
+    return _weighted(buf, 0, -(-n // ALIGN)) + n
 
 
 def checksum(buf: torch.Tensor) -> int:
@@ -117,27 +183,60 @@ def checksum(buf: torch.Tensor) -> int:
     return int(checksum_tensor(buf).item())
 
 
-class ChecksumLedger:
-    """Per-bucket checksums of one refit, kept on the device until the refit ends.
+class _Summer:
+    """The checksum of one bucket, taken span by span as its bytes are written or read."""
 
-    Reading each value as it is computed costs a host synchronisation per bucket (two
-    per bucket before, which stalled the CUDA pipeline at every one); the ledger reads
-    them all at once.
+    def __init__(self, buf: torch.Tensor, nbytes: int, pieces: bool):
+        self.buf = buf
+        self.nbytes = nbytes
+        self.rows = -(-nbytes // ALIGN)
+        self.done = 0
+        self.pieces = pieces
+        self.terms: list[torch.Tensor] = []
+
+    def upto(self, end: int) -> None:
+        """Sum the bytes up to ``end`` (rounded down to a row, except at the bucket's end)."""
+        end = self.nbytes if end >= self.nbytes else end // ALIGN * ALIGN
+        if end > self.done:
+            self.terms.append(_weighted(self.buf[self.done:end], self.done // ALIGN, self.rows))
+            self.done = end
+
+    def value(self) -> torch.Tensor:
+        if not self.terms:
+            return torch.tensor(self.nbytes, dtype=torch.int64, device=self.buf.device)
+        return (self.terms[0] if len(self.terms) == 1 else torch.stack(self.terms).sum()) + self.nbytes
+
+
+class ChecksumLedger:
+    """Per-bucket checksums of one refit, taken while packing and unpacking, read once.
+
+    On the host a checksum follows the copies in pieces of ``PIECE_BYTES`` that are still
+    in cache: reading every bucket again from memory afterwards cost a CPU refit half as
+    much again as the transfer. On a GPU each bucket is one span (fewer kernels; the
+    memory is fast). The values stay on the device until ``settle``: reading each one as
+    it is computed stalled the CUDA pipeline at every bucket.
     """
 
     def __init__(self) -> None:
-        self._sent: list[tuple[tuple[int, int], torch.Tensor]] = []
-        self._received: list[tuple[tuple[int, int], torch.Tensor]] = []
+        self._sent: list[tuple[tuple[int, int], _Summer]] = []
+        self._received: list[tuple[tuple[int, int], _Summer]] = []
+
+    def summer(self, key: tuple[int, int], buf: torch.Tensor, nbytes: int, *, sent: bool) -> _Summer:
+        s = _Summer(buf, nbytes, pieces=buf.device.type == "cpu")
+        (self._sent if sent else self._received).append((key, s))
+        return s
 
     def sent(self, key: tuple[int, int], buf: torch.Tensor) -> None:
-        self._sent.append((key, checksum_tensor(buf)))
+        """The checksum of a whole send buffer (a block sent from the tensor itself)."""
+        self.summer(key, buf, buf.numel(), sent=True).upto(buf.numel())
 
     def received(self, key: tuple[int, int], buf: torch.Tensor) -> None:
-        self._received.append((key, checksum_tensor(buf)))
+        """The checksum of a whole receive buffer (a block received into the tensor itself)."""
+        self.summer(key, buf, buf.numel(), sent=False).upto(buf.numel())
 
     def settle(self) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
         """Every checksum as host ints: (sent, received), each keyed (peer, bucket index)."""
-        entries = self._sent + self._received
+        entries = [(k, s.value()) for k, s in self._sent + self._received]
         if not entries:
             return {}, {}
         by_device: dict[torch.device, list[int]] = {}

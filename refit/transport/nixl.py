@@ -811,14 +811,14 @@ class NixlTransport:
             if not b.nbytes:
                 continue
             if s.staging is not None:
-                buf = pack_bucket(b, src, s.view())
+                buf = pack_bucket(b, src, s.view(), ledger=ledger, key=(b.peer, b.index))
             else:
                 buf = direct_view(b, src, "src")
                 if buf is None:
                     raise PlanError(f"rank {self.rank}: {b.ops[0].name} is no longer contiguous in "
                                     f"{b.ops[0].wire_dtype}; prepare() again with the new tensors")
-            if ledger is not None:
-                ledger.sent((b.peer, b.index), buf)
+                if ledger is not None:
+                    ledger.sent((b.peer, b.index), buf)
             if corrupt is not None:
                 if s.staging is None:  # never corrupt the caller's tensor: write from a copy instead
                     buf = buf.clone()
@@ -911,11 +911,10 @@ class NixlTransport:
                 ledger: ChecksumLedger | None) -> None:
         for s in pair.slots[lo: hi]:
             b = s.bucket
-            if ledger is not None and b.nbytes:
-                buf = s.view() if s.staging is not None else direct_view(b, dst, "dst")
-                ledger.received((b.peer, b.index), buf)
             if s.staging is not None:
-                unpack_bucket(b, s.view(), dst)
+                unpack_bucket(b, s.view(), dst, ledger=ledger if b.nbytes else None, key=(b.peer, b.index))
+            elif ledger is not None and b.nbytes:
+                ledger.received((b.peer, b.index), direct_view(b, dst, "dst"))
             stats.bytes_received += b.nbytes
             stats.buckets_received += 1
 

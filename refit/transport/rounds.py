@@ -109,10 +109,8 @@ class RoundsExecutor(Executor):
                 recvs.append(_Posted(b, buf, False, comm.irecv(buf, b.peer, tag=b.index)))
             sends = []
             for b in self._staged_sends.get(r, ()):
-                buf = pack_bucket(b, src, self._pool.take(b.nbytes))
+                buf = pack_bucket(b, src, self._pool.take(b.nbytes), ledger=ledger, key=(b.peer, b.index))
                 staging += b.nbytes
-                if ledger is not None:
-                    ledger.sent((b.peer, b.index), buf)
                 if corrupt is not None:
                     corrupt(b.peer, b.index, buf)
                 sends.append(_Posted(b, buf, False, comm.isend(buf, b.peer, tag=b.index)))
@@ -143,10 +141,11 @@ class RoundsExecutor(Executor):
         freed = 0
         for p in recvs:
             self.comm.wait(p.work)
-            if ledger is not None:
-                ledger.received((p.bucket.peer, p.bucket.index), p.buf)
-            if not p.direct:
-                unpack_bucket(p.bucket, p.buf, self.dst)
+            if p.direct:
+                if ledger is not None:
+                    ledger.received((p.bucket.peer, p.bucket.index), p.buf)
+            else:
+                unpack_bucket(p.bucket, p.buf, self.dst, ledger=ledger, key=(p.bucket.peer, p.bucket.index))
                 freed += p.bucket.nbytes
                 self._pool.give_back(p.buf)
             stats.bytes_received += p.bucket.nbytes

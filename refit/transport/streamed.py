@@ -426,7 +426,7 @@ class StreamedExecutor(Executor):
         last_comm = last_unpack = None
         host_fences: list[Fence] = []  # gloo: every window's works, waited at the end at the latest
         for w in sched.windows:
-            per_round, unpacks, received, send_slots, recv_slots = [], [], [], [], []
+            per_round, unpacks, direct_received, send_slots, recv_slots = [], [], [], [], []
             staged_sends, direct_sends = [], []
             for r in w.rounds:
                 recv_ops, send_ops = [], []
@@ -436,7 +436,8 @@ class StreamedExecutor(Executor):
                         view, slot = arena.alloc(b.nbytes, lanes)
                         recv_slots.append(slot)
                         unpacks.append((b, view))
-                    received.append((b, view))
+                    else:
+                        direct_received.append((b, view))
                     recv_ops.append((view.data_ptr(), b.nbytes, b.peer) if raw else (view, b.peer))
                     stats.bytes_received += b.nbytes
                     stats.buckets_received += 1
@@ -455,9 +456,7 @@ class StreamedExecutor(Executor):
             if staged_sends or (ledger is not None and direct_sends):
                 with lanes.on("pack"):
                     for b, view in staged_sends:
-                        pack_bucket(b, src, view)
-                        if ledger is not None:
-                            ledger.sent((b.peer, b.index), view)
+                        pack_bucket(b, src, view, ledger=ledger, key=(b.peer, b.index))
                         if corrupt is not None:
                             corrupt(b.peer, b.index, view)
                     if ledger is not None:
@@ -486,14 +485,14 @@ class StreamedExecutor(Executor):
             stats.groups += 1
             for s_ in send_slots:
                 s_.fence = last_comm
-            if unpacks or (ledger is not None and received):
+            if unpacks or (ledger is not None and direct_received):
                 lanes.wait("unpack", last_comm)
                 with lanes.on("unpack"):
                     if ledger is not None:
-                        for b, view in received:
+                        for b, view in direct_received:
                             ledger.received((b.peer, b.index), view)
                     for b, view in unpacks:
-                        unpack_bucket(b, view, dst)
+                        unpack_bucket(b, view, dst, ledger=ledger, key=(b.peer, b.index))
                 last_unpack = lanes.record("unpack")
                 for s_ in recv_slots:
                     s_.fence = last_unpack

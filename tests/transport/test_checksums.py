@@ -1,0 +1,73 @@
+"""Checksums taken while packing and unpacking equal the checksum of the whole bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refit.layout import Box
+from refit.plan import Bucket, Op
+from refit.transport import buckets
+from refit.transport.buckets import ChecksumLedger, align, checksum, pack_bucket, unpack_bucket
+
+DTYPES = ["float32", "bfloat16", "float16", "float64"]
+
+
+@st.composite
+def bucket_and_sources(draw):
+    """A bucket of 1-4 ops (0-d to 3-d blocks, mixed dtypes) laid out as the planner does."""
+    ops, offsets, src, pos = [], [], {}, 0
+    for i in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(1, 48), min_size=0, max_size=3)))
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        name = f"p{i}"
+        src[name] = torch.randn(shape, generator=gen, dtype=torch.float64).to(getattr(torch, dtype))
+        zeros = tuple(0 for _ in shape)
+        op = Op(i, name, 0, 1, Box(zeros, shape, zeros, zeros), dtype, dtype, dtype)
+        offsets.append(align(pos))
+        ops.append(op)
+        pos = offsets[-1] + op.nbytes
+    return Bucket(1, 0, tuple(ops), tuple(offsets), pos), src
+
+
+@settings(max_examples=200, deadline=None)
+@given(found=bucket_and_sources(), piece=st.sampled_from([256, 768, 4096, 1 << 20]), fill=st.integers(0, 255))
+def test_piecewise_checksums_equal_the_whole_bucket(found, piece, fill, monkeypatch_module):
+    bucket, src = found
+    monkeypatch_module.setattr(buckets, "PIECE_BYTES", piece)
+    buf = torch.full((bucket.nbytes,), fill, dtype=torch.uint8)  # stale staging: gaps must be zeroed
+    ledger = ChecksumLedger()
+    pack_bucket(bucket, src, buf, ledger=ledger, key=(1, 0))
+    dst = {n: torch.empty_like(t) for n, t in src.items()}
+    unpack_bucket(bucket, buf, dst, ledger=ledger, key=(0, 0))
+    sent, received = ledger.settle()
+    assert sent == {(1, 0): checksum(buf)}
+    assert received == {(0, 0): checksum(buf)}
+    assert all(torch.equal(dst[n], src[n]) for n in src)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 5000), where=st.integers(0, 10**6), shift=st.integers(1, 4))
+def test_a_flipped_byte_or_a_shifted_block_changes_the_checksum(n, where, shift):
+    buf = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    flipped = buf.clone()
+    flipped[where % n] ^= 1 << (where % 8)
+    assert checksum(flipped) != checksum(buf)
+    rows = -(-n // 256)
+    if rows > 1 and buf[: 256].any():  # one 256-byte row moved to another position
+        moved = torch.zeros(rows * 256, dtype=torch.uint8)
+        moved[:n] = buf
+        target = (shift % (rows - 1) + 1) * 256
+        swapped = moved.clone()
+        swapped[target: target + 256], swapped[:256] = moved[:256], moved[target: target + 256]
+        if not torch.equal(swapped[:256], moved[:256]):
+            assert checksum(swapped) != checksum(moved)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
