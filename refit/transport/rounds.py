@@ -92,12 +92,15 @@ class RoundsExecutor(Executor):
         direct_recvs = [_Posted(b, v, True, comm.irecv(v, b.peer, tag=b.index)) for b, v in self._direct_recvs]
         direct_sends, corrupted_sends = [], []
         for b, view in self._direct_sends:
-            if ledger is not None:
-                ledger.sent((b.peer, b.index), view)
             if corrupt is not None:  # a corrupted block must not touch the tensor: stage it
                 corrupted_sends.append(b)
+                if ledger is not None:
+                    ledger.sent((b.peer, b.index), view)
                 continue
             direct_sends.append(_Posted(b, view, True, comm.isend(view, b.peer, tag=b.index)))
+        if ledger is not None:  # read while the wire reads them too: the sends are already posted
+            for p in direct_sends:
+                ledger.sent((p.bucket.peer, p.bucket.index), p.buf)
         stats.zero_copy_buckets = len(direct_recvs) + len(direct_sends)
         inflight: deque = deque()
         staging = 0
