@@ -324,10 +324,6 @@ def print_table(result: dict) -> None:
 
 def run(args) -> int:
     if args.path == "sync":
-        if args.transport != "nccl":
-            print("refit bench --path sync: --transport nixl is not measured here; the sync path runs over the "
-                  "communicator (gloo on cpu, NCCL on cuda)", file=sys.stderr)
-            return 2
         from refit.cli import bench_sync
 
         return refuse_unused(args, SYNC_FLAGS, f"--path sync --device {args.device}") or bench_sync.run(args)

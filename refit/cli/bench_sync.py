@@ -195,6 +195,10 @@ def choose_layout(args, gpus: int) -> tuple[BenchLayout, str]:
     given = [args.src, args.dst_tp, args.dst_dp]
     layout = BenchLayout(*(g if g is not None else d for g, d in zip(given, DEFAULT_LAYOUT)))
     note = ""
+    if args.device == "cuda" and args.transport == "nixl":  # one-sided writes: ranks may share GPUs
+        if not gpus:
+            raise FlagError("--device cuda: torch sees no GPU")
+        return layout, f"NIXL: {layout.world_size} ranks on {gpus} GPU(s), rank r on GPU r % {gpus}"
     if args.device == "cuda" and all(g is None for g in given) and layout.world_size > gpus:
         default, layout = layout, BenchLayout(1, 1, 1)
         note = (f"torch sees {gpus} GPU(s), one per rank over NCCL: {layout.describe()} instead of the default "
@@ -213,10 +217,11 @@ class Fleet:
         self.ray_fleet = None
         self.ray_started = False
         if kind == "local":
-            gpu = iter(range(layout.world_size))  # one GPU per rank, in communicator order
+            rank = iter(range(layout.world_size))  # communicator order; over NCCL one GPU per rank
+            gpus = max(torch.cuda.device_count(), 1) if device == "cuda" else 1
 
             def where() -> str:
-                return f"cuda:{next(gpu)}" if device == "cuda" else "cpu"
+                return f"cuda:{next(rank) % gpus}" if device == "cuda" else "cpu"
 
             self.trainers = [BenchTrainer(r, layout.trainer_tp, model=model, dtype=dtypes[0], device=where())
                              for r in range(layout.trainer_tp)]
@@ -297,6 +302,12 @@ def run_sync_bench(args) -> dict:
                      hidden=args.hidden if args.hidden is not None else shape["hidden"], vocab=args.vocab)
     dtypes = (args.dtype or model.dtype, args.dst_dtype or args.dtype or model.dtype)
     kwargs: dict[str, Any] = {"refit_timeout_s": args.refit_timeout, "verify": True}
+    if args.transport == "nixl":
+        from refit.transport.nixl import nixl_available
+
+        if not nixl_available():
+            raise FlagError("--transport nixl needs NIXL (pip install 'refit[nixl]')")
+        kwargs["transport"] = "nixl"
     if args.bucket_mib is not None:
         kwargs["bucket_bytes"] = int(args.bucket_mib * MIB)
     t0 = time.perf_counter()
@@ -329,7 +340,10 @@ def run_sync_bench(args) -> dict:
     raw_fig = spread([r.seconds for r in raws], nbytes)
     raw_fig["round_median_s"] = statistics.median(r.round_s for r in raws)
     checked_fig = spread([r.seconds for r in checked], nbytes)
-    device = "cpu (gloo)" if args.device == "cpu" else f"{torch.cuda.get_device_name(0)} (NCCL, one GPU per rank)"
+    if args.transport == "nixl":
+        device = f"{'cpu' if args.device == 'cpu' else torch.cuda.get_device_name(0)} (NIXL one-sided writes)"
+    else:
+        device = "cpu (gloo)" if args.device == "cpu" else f"{torch.cuda.get_device_name(0)} (NCCL, one GPU per rank)"
     return {
         "path": "sync", "fleet": args.fleet, "device": device, "layout": layout.describe(), "layout_note": note,
         "world_size": layout.world_size, "model": model.name, "layers": model.num_layers,
