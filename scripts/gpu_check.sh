@@ -19,7 +19,7 @@ PY="${PYTHON:-python3}"
   "$PY" -c 'import refit.comm.nccl as n; l = n.library(); print("refit nccl binding:", l.path, l.version)'
 } 2>&1 | tee "$OUT/env.log"
 
-timeout -s INT -k 10 240 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest.log"
+timeout -s INT -k 10 240 "$PY" -m pytest -q -m gpu tests/gpu/test_gpu.py -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest.log"
 rc_tests=$?
 
 timeout -s INT -k 10 300 "$PY" -m refit.cli.bench_gpu --gpu-out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"

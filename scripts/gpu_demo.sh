@@ -22,7 +22,7 @@ fi
 export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 "$PY" -c 'import ray, torch, transformers; from refit.transport.nixl import nixl_available; print("ray", ray.__version__, "torch", torch.__version__, "transformers", transformers.__version__, "nixl", nixl_available(), "gpus", torch.cuda.device_count())' 2>&1 | tee "$OUT/env.log"
 
-timeout -s INT -k 10 300 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest.log"
+timeout -s INT -k 10 300 "$PY" -m pytest -q -m gpu tests/gpu/test_gpu.py -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest.log"
 rc_tests=$?
 
 # the default demo needs 9 GPUs over NCCL: it must say so, not fail inside NCCL
