@@ -114,11 +114,13 @@ def _sync_barrier(group) -> None:
 
 def _make_plan(group, cfg, src, dst, bucket_bytes: int, direct_bytes: int | None = None):
     from refit import Replicate
-    from refit.plan import RosterEntry, build_rank_plan, merge_rosters
     from refit.layout import dtype_name
+    from refit.plan import RosterEntry, build_rank_plan, merge_rosters
 
-    mine = [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [0], [Replicate()], "src") for n, t in src.items()]
-    mine += [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [1], [Replicate()], "dst") for n, t in dst.items()]
+    mine = [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [0], [Replicate()], "src")
+            for n, t in src.items()]
+    mine += [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [1], [Replicate()], "dst")
+             for n, t in dst.items()]
     gathered = group.all_gather_object(mine)
     index = merge_rosters(dict(enumerate(gathered)), group.world_size)
     kwargs = {"bucket_bytes": bucket_bytes}
@@ -210,10 +212,10 @@ def _verify(group, cfg, views, seed, src_dtype) -> tuple[bool, list[str]]:
 def _bench_rank(group, cfg: dict) -> dict:
     import torch
 
-    from refit.transport.streamed import release_staging
-    from refit.transport.factory import make_executor
-    from refit.transport.xfer import xferdtensor_golden
     from refit import DTensorRef, Replicate
+    from refit.transport.factory import make_executor
+    from refit.transport.streamed import release_staging
+    from refit.transport.xfer import xferdtensor_golden
 
     dev = _device(group)
     if dev.type == "cuda":
@@ -389,8 +391,9 @@ def _bench_rank(group, cfg: dict) -> dict:
         if cfg["sweep"]:
             for b_mib, budget_mib, g_mib in ((256, 1024, 1024), (1024, 4096, 2048), (512, 1024, 1024)):
                 p32, _ = _make_plan(group, cfg, src32, dst, b_mib * MIB)
-                res = _timed_loop(group, refit_runner(p32, src32, dst, sync=False, staging_budget_bytes=budget_mib * MIB,
-                                                      group_bytes=g_mib * MIB), max(3, cfg["iters"] // 2))
+                runner = refit_runner(p32, src32, dst, sync=False, staging_budget_bytes=budget_mib * MIB,
+                                      group_bytes=g_mib * MIB)
+                res = _timed_loop(group, runner, max(3, cfg["iters"] // 2))
                 out["fp32_sweep"].append({"bucket_mib": b_mib, "staging_mib": budget_mib, "group_mib": g_mib, **res})
         src = src32
 
@@ -496,7 +499,8 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-layers", type=int, default=32, help="transformer layers of the Llama-3-8B model [32]")
     g.add_argument("--gpu-bucket-mib", type=int, default=1024, help="plan bucket size, MiB [1024]")
     g.add_argument("--gpu-bucket32-mib", type=int, default=512, help="bucket size of the fp32->bf16 plan, MiB [512]")
-    g.add_argument("--gpu-group-mib", type=int, default=1024, help="bytes per NCCL group (window of rounds), MiB [1024]")
+    g.add_argument("--gpu-group-mib", type=int, default=1024,
+                   help="bytes per NCCL group (window of rounds), MiB [1024]")
     g.add_argument("--gpu-staging-mib", type=int, default=2048, help="staging budget, MiB [2048]")
     g.add_argument("--gpu-iters", type=int, default=10, help="timed back-to-back refits [10]")
     g.add_argument("--gpu-refits", type=int, default=50, help="refits of the memory-hygiene check [50]")
@@ -578,20 +582,23 @@ def print_table(s: dict) -> None:
         rows.append(("refit fp32 -> bf16 (cast at pack)", s["fp32_to_bf16_GBps"], "GB/s of bf16 on the wire"))
     ipc = s.get("ipc")
     if ipc:
+        copies_alone = ipc.get("pull_only_GBps", float("nan"))
         rows.append(("IPC pull, copy engines (experimental)", ipc.get("GBps", float("nan")),
-                     ipc.get("error", f"with handshakes; copies alone {ipc.get('pull_only_GBps', float('nan')):.0f} GB/s")))
+                     ipc.get("error", f"with handshakes; copies alone {copies_alone:.0f} GB/s")))
     print(f"\n{s['model']}; {s['bytes'] / GB:.2f} GB; {s['device']} x2")
     print(f"{'path':44s} {'GB/s':>8s}  note")
     for name, v, note in rows:
         print(f"{name:44s} {v:8.1f}  {note}")
     if s.get("sweep"):
         print("sweep (bucket MiB / group MiB [/packed] -> GB/s): " + ", ".join(
-            f"{v['bucket_mib']}/{v['group_mib']}{'/packed' + str(v['packed']) if v['packed'] else ''} -> {v['GBps']:.0f}"
+            f"{v['bucket_mib']}/{v['group_mib']}{'/packed' + str(v['packed']) if v['packed'] else ''}"
+            f" -> {v['GBps']:.0f}"
             for v in s["sweep"]))
     for side, b in (s.get("breakdown") or {}).items():
         if b:
             print(f"single refit {side}: total {b['total_s'] * 1e3:.1f} ms = host setup {b['setup_s'] * 1e3:.1f}, "
-                  f"1st group queued {b.get('first_group_queued_s', 0) * 1e3:.1f}, all queued {b['enqueue_s'] * 1e3:.1f}; "
+                  f"1st group queued {b.get('first_group_queued_s', 0) * 1e3:.1f}, "
+                  f"all queued {b['enqueue_s'] * 1e3:.1f}; "
                   f"GPU idle before 1st group {b.get('gpu_idle_before_first_group_s', 0) * 1e3:.1f}, "
                   f"groups {b.get('gpu_groups_s', 0) * 1e3:.1f}")
     if s.get("fp32_sweep"):

@@ -27,7 +27,8 @@ FANOUT_VARIANTS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and layouts")
     g.add_argument("--model", default="kimi-k2",
-                   help="llama3-8b, llama3-70b, qwen3-235b-a22b, deepseek-v3, kimi-k2, or a config.json (default kimi-k2)")
+                   help="llama3-8b, llama3-70b, qwen3-235b-a22b, deepseek-v3, kimi-k2, "
+                        "or a config.json (default kimi-k2)")
     g.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (quick looks)")
     g.add_argument("--train", default="tp=8,pp=8,ep=32,etp=1",
                    help="training layout: tp, pp, dp, cp, ep, etp (default tp=8,pp=8,ep=32,etp=1)")
@@ -66,10 +67,11 @@ def _gb(n: float) -> str:
 
 
 def _setup(args):
+    import dataclasses
+
+    from refit.cli.sim import Topology
     from refit.models import build_index, get_model, parse_engine, parse_train
     from refit.models.parallel import node_map
-    from refit.cli.sim import Topology
-    import dataclasses
 
     model = get_model(args.model)
     if args.layers is not None:
@@ -81,7 +83,7 @@ def _setup(args):
     merge = {}
     if args.rosters:
         from refit.models import build_rosters
-        from refit.plan.planner import merge_rosters
+        from refit.plan import merge_rosters
 
         rosters = build_rosters(model, train, engine, train_dtype=args.train_dtype, engine_dtype=args.engine_dtype)
         merge["roster_entries"] = sum(len(v) for v in rosters.values())
@@ -92,7 +94,7 @@ def _setup(args):
     else:
         index = build_index(model, train, engine, train_dtype=args.train_dtype, engine_dtype=args.engine_dtype)
     t1 = time.perf_counter()
-    index.digest
+    _ = index.digest  # computed lazily: force it here so its cost is timed apart from the plans
     t2 = time.perf_counter()
     nodes = node_map(train.world, train.world, index.world_size, args.gpus_per_node)
     topo = Topology(args.gpus_per_node, args.nvlink_gbps, args.nic_gbps, args.latency_us, tuple(nodes))
@@ -111,7 +113,7 @@ def _plan_kwargs(args, variant: dict, topo) -> dict:
 
 def time_one_rank(index, rank: int, repeats: int, **kw) -> dict:
     """Cold builds of one rank's plan (the index's cached geometry dropped before each)."""
-    from refit.plan.planner import PlanStats, build_rank_plan, reset_planner_cache
+    from refit.plan import PlanStats, build_rank_plan, reset_planner_cache
 
     times, cpu = [], []
     plan = stats = None
@@ -148,8 +150,8 @@ def _pair_digest(buckets) -> dict[int, tuple[int, int, int]]:
 
 def plan_all(index, topo, check: bool, **kw) -> dict:
     """Every rank's plan, reduced to its traffic; cross-rank consistency checked on the way."""
-    from refit.plan.planner import build_rank_plan
     from refit.cli.sim import traffic_of
+    from refit.plan import build_rank_plan
 
     traffic = []
     sends: dict[tuple[int, int, int], tuple] = {}
@@ -220,7 +222,6 @@ def run_variant(name: str, variant: dict, args, index, topo, train_world: int) -
 def scaling(args, model, train, repeats: int) -> list[dict]:
     """One rank's cold plan-build time as the engine grows (training layout fixed)."""
     from refit.models import build_index, parse_engine
-    from refit.plan.planner import build_rank_plan
 
     out = []
     for n in [int(x) for x in args.scaling.split(",") if x]:
@@ -228,7 +229,7 @@ def scaling(args, model, train, repeats: int) -> list[dict]:
         engine = parse_engine(f"tp={_engine_tp(args)}" + (f",ep={ep}" if ep else ""), world=n)
         t0 = time.perf_counter()
         index = build_index(model, train, engine, train_dtype=args.train_dtype, engine_dtype=args.engine_dtype)
-        index.digest
+        _ = index.digest  # computed lazily: force it so the index's full cost is in this timing
         merge = time.perf_counter() - t0
         rows = [time_one_rank(index, r, repeats, bucket_bytes=int(args.bucket_mb * (1 << 20)))
                 for r in sample_ranks(train.world, index.world_size)]
@@ -312,7 +313,7 @@ def build_report(args) -> dict:
         if not 0 <= args.rank < index.world_size:
             raise SystemExit(f"--rank {args.rank}: outside the {index.world_size} ranks")
         report["plan_build"] = time_one_rank(index, args.rank, args.repeats, **kw)
-        from refit.plan.planner import build_rank_plan
+        from refit.plan import build_rank_plan
 
         plan = build_rank_plan(index, args.rank, **kw)
         report["rank"] = {"rank": args.rank, "bytes_sent": plan.bytes_sent, "bytes_received": plan.bytes_received,

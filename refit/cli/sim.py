@@ -41,8 +41,8 @@ it is the largest of what any plan must spend on one port, namely
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from refit.layout import dtype_from_name, region_numel, region_overlap_numel, shard_region
 from refit.plan import ParamIndex, RankPlan, TensorLayout, wire_dtype
@@ -256,7 +256,7 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
                     need["nvl_in" if node(r) in src_nodes else "nic_in"][r] += n * items[g] * count
         if relay:
             # a node's NICs bring in, once, each element its ranks need (one layout's distinct shards)
-            per_node: dict[int, list[int]] = defaultdict(lambda: [0] * len(dsts))
+            per_node: dict[int, list[int]] = defaultdict(lambda layouts=dsts: [0] * len(layouts))
             for g, lay in enumerate(dsts):
                 seen = set()
                 for r in lay.mesh_ranks:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from refit.errors import RefitError
 from refit.runtime.endpoint import WorkerDied, WorkerTimeout
@@ -24,7 +25,7 @@ __all__ = ["RayFleet", "RayWorker"]
 # -- the handle ------------------------------------------------------------------------------------
 
 class _RayPending:
-    def __init__(self, ref: Any, worker: "RayWorker"):
+    def __init__(self, ref: Any, worker: RayWorker):
         self.ref = ref
         self.worker = worker
         self._done = False
@@ -51,7 +52,7 @@ class _RayPending:
             raise WorkerDied(f"{self.worker.name} died: {str(e).strip().splitlines()[0]}") from None
 
     @staticmethod
-    def wait_any(pendings: Sequence["_RayPending"], timeout: float | None) -> list["_RayPending"]:
+    def wait_any(pendings: Sequence[_RayPending], timeout: float | None) -> list[_RayPending]:
         import ray
 
         by_ref = {p.ref: p for p in pendings}
@@ -77,7 +78,8 @@ class RayWorker:
     def is_dead(self) -> bool:
         """What Ray's control store says, without a call into the actor (which may be busy or stopped)."""
         try:
-            from ray._private import state
+            # Ray has no public API for an actor's state that does not call into the actor
+            from ray._private import state  # noqa: PLC2701
 
             info = state.actors(actor_id=self.actor._actor_id.hex())
             return bool(info) and info.get("State") == "DEAD"

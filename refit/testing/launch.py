@@ -12,8 +12,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_conns
-from typing import Any, Callable
+from typing import Any
 
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.errors import RefitError
@@ -24,7 +25,8 @@ class WorkerError(RefitError):
 
     def __init__(self, failures: dict[int, tuple[str, str]]):
         self.failures = failures
-        lines = [f"rank {r}: {etype}: {tb.strip().splitlines()[-1] if tb.strip() else ''}" for r, (etype, tb) in sorted(failures.items())]
+        lines = [f"rank {r}: {etype}: {tb.strip().splitlines()[-1] if tb.strip() else ''}"
+                 for r, (etype, tb) in sorted(failures.items())]
         super().__init__("; ".join(lines))
 
     def first_traceback(self) -> str:
@@ -142,7 +144,7 @@ class LocalFleet:
             c.close()
         self._conns, self._procs = [], []
 
-    def __enter__(self) -> "LocalFleet":
+    def __enter__(self) -> LocalFleet:
         return self
 
     def __exit__(self, *exc) -> None:
