@@ -1,11 +1,9 @@
 """refit: shard-to-shard weight sync from a training fleet to inference engines."""
 
+from refit import membership
 from refit.comm.group import StatelessProcessGroup
-from refit.errors import LayoutError, PlanError, RefitError, TransportError
-from refit.layout import DTensorRef, Replicate, Shard, StridedShard, shard_region, shard_slices
-from refit.transport.xfer import xferdtensor, xferdtensor_golden
 
-# the control plane (issue 4); Ray stays out of this import, it is loaded by refit.runtime.ray only
+# Ray stays out of this import: only refit.runtime.ray loads it, when Ray actors are handed in
 from refit.control import (
     CollectiveWeightSynchronizer,
     RefitVerificationError,
@@ -13,8 +11,11 @@ from refit.control import (
     SyncResult,
     WeightSynchronizer,
 )
-from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
+from refit.errors import LayoutError, PlanError, RefitAborted, RefitError, TransportError
+from refit.layout import DTensorRef, Replicate, Shard, StridedShard, shard_region, shard_slices
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
+from refit.runtime.watchdog import RefitAbortWatchdog
+from refit.transport.xfer import xferdtensor, xferdtensor_golden
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "TrainerEndpoint",
     "TransportError",
     "WeightSynchronizer",
+    "membership",
     "shard_region",
     "shard_slices",
     "xferdtensor",

@@ -1,6 +1,6 @@
 """The synchronizers: one control plane shared by the shard-to-shard path and the broadcast baseline.
 
-The control plane is the lifecycle of seed 000 (build, sync, reconcile, shutdown), the
+The control plane is one lifecycle (build, sync, reconcile, shutdown), the
 membership arithmetic of ``refit.membership``, settling stragglers before a rebuild,
 verification, and recovery. The two data paths differ only in what each worker runs
 during a transfer (``mode``), so everything that decides who is in the communicator and
@@ -33,7 +33,7 @@ NO_DEADLINE_ROUND_S = 300.0  # bound on control calls (connect, prepare, commit)
 
 @runtime_checkable
 class WeightSynchronizer(Protocol):
-    """The lifecycle every synchronizer offers (see seed 000)."""
+    """The lifecycle every synchronizer offers: build, sync, reconcile after a loss, shut down."""
 
     def init_communicator(self) -> None: ...
     def sync_weights(self) -> SyncResult: ...

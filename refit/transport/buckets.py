@@ -114,7 +114,7 @@ def local_copies(plan: RankPlan, src: TensorMap, dst: TensorMap) -> int:
 
 # -- checksums ---------------------------------------------------------------------------------
 
-PIECE_BYTES = 1 << 20  # on the host, checksums follow the copies in pieces that are still in cache
+PIECE_BYTES = 4 << 20  # on the host, checksums follow the copies in pieces that are still in cache
 
 
 def _pieces(op: Op, summer: _Summer | None) -> list[tuple[slice | EllipsisType, int]]:
@@ -134,77 +134,67 @@ def _pieces(op: Op, summer: _Summer | None) -> list[tuple[slice | EllipsisType, 
     return [(slice(lo, min(lo + per, shape[0])), min(lo + per, shape[0]) * row) for lo in range(0, shape[0], per)]
 
 
-def _row_sums(span: torch.Tensor) -> torch.Tensor:
-    """Sums of the int64 words of each 256-byte row of ``span`` (a short last row is zero-padded)."""
+def _row_sums_into(span: torch.Tensor, out: torch.Tensor) -> None:
+    """Sums of the int64 words of each 256-byte row of ``span`` into ``out`` (a short last row is zero-padded)."""
     if span.data_ptr() % 8:
         span = span.clone()  # a view into a 2-byte dtype may start mid-word
     full = span.numel() // ALIGN
-    sums = span[: full * ALIGN].view(torch.int64).view(full, _ROW_WORDS).sum(1)
-    rest = span.numel() - full * ALIGN
-    if rest:
+    if full:
+        torch.sum(span[: full * ALIGN].view(torch.int64).view(full, _ROW_WORDS), 1, out=out[:full])
+    if span.numel() > full * ALIGN:
         last = torch.zeros(ALIGN, dtype=torch.uint8, device=span.device)
-        last[:rest].copy_(span[full * ALIGN:])
-        sums = torch.cat([sums, last.view(torch.int64).sum().reshape(1)])
-    return sums
+        last[: span.numel() - full * ALIGN].copy_(span[full * ALIGN:])
+        out[full] = last.view(torch.int64).sum()
 
 
-def _weighted(span: torch.Tensor, first_row: int, total_rows: int) -> torch.Tensor:
-    """The checksum terms of the rows in ``span``, which starts at row ``first_row`` of its buffer.
+class _Summer:
+    """The checksum of one bucket, taken span by span as its bytes are written or read.
 
-    Row ``i`` of a buffer of ``R`` rows weighs ``2 (R - i) + 1``: the cumulative sum of a
-    span's rows gives ``R - i`` relative to the span's end, the rest is a constant per
-    span. Odd weights keep every single flipped bit visible in int64 arithmetic, which
-    wraps: with an even weight, the top bit of a word would vanish.
+    Row ``i`` of ``R`` weighs ``2 (R - i) + 1``: the sum of the row sums' running totals
+    gives ``R - i``, so a span only sums its rows (one reduction, no weights) and the
+    weighting happens once per bucket. Odd weights keep every single flipped bit visible
+    in int64 arithmetic, which wraps: with an even weight, the top bit of a word would
+    vanish.
     """
-    sums = _row_sums(span)
-    if not sums.numel():
-        return torch.zeros((), dtype=torch.int64, device=span.device)
-    end = first_row + sums.numel()
-    plain = sums.sum()
-    return 2 * (sums.cumsum(0).sum() + (total_rows - end) * plain) + plain
+
+    def __init__(self, buf: torch.Tensor, nbytes: int, pieces: bool):
+        self.buf = buf
+        self.nbytes = nbytes
+        self.done = 0
+        self.pieces = pieces
+        self.sums = torch.empty(-(-nbytes // ALIGN), dtype=torch.int64, device=buf.device)
+
+    def upto(self, end: int) -> None:
+        """Sum the rows up to ``end`` (rounded down to a row, except at the bucket's end)."""
+        end = self.nbytes if end >= self.nbytes else end // ALIGN * ALIGN
+        if end > self.done:
+            _row_sums_into(self.buf[self.done:end], self.sums[self.done // ALIGN: -(-end // ALIGN)])
+            self.done = end
+
+    def value(self) -> torch.Tensor:
+        if not self.sums.numel():
+            return torch.tensor(self.nbytes, dtype=torch.int64, device=self.buf.device)
+        return 2 * self.sums.cumsum(0).sum() + self.sums.sum() + self.nbytes
 
 
 def checksum_tensor(buf: torch.Tensor) -> torch.Tensor:
     """A position-weighted checksum of a flat byte buffer, as a 0-d int64 tensor on its device.
 
-    The bytes are read as 256-byte rows of int64 words: each row is summed and row ``i``
-    of ``R`` is weighted by ``2 (R - i) + 1``. Ops sit in buckets on 256-byte boundaries, so a
-    flipped byte, a block written to the wrong offset or a bucket delivered to the wrong
-    peer all change it; a swap of two words inside one row does not. The value can be
-    assembled from 256-aligned spans in any order (``ChecksumLedger`` does, following the
-    copies), and stays on the device. Not a cryptographic digest.
+    The bytes are read as 256-byte rows of int64 words; each row is summed and row ``i``
+    of ``R`` is weighted by ``2 (R - i) + 1``. Ops sit in buckets on 256-byte boundaries,
+    so a flipped bit or byte, a block written to the wrong offset or a bucket delivered to
+    the wrong peer all change it; a swap of two words inside one row does not. The rows
+    can be summed span by span, in any order (``ChecksumLedger`` does, following the
+    copies). The value stays on the device. Not a cryptographic digest.
     """
-    n = buf.numel()
-    return _weighted(buf, 0, -(-n // ALIGN)) + n
+    summer = _Summer(buf, buf.numel(), pieces=False)
+    summer.upto(buf.numel())
+    return summer.value()
 
 
 def checksum(buf: torch.Tensor) -> int:
     """``checksum_tensor`` read back to the host (one synchronisation; for one-off checks)."""
     return int(checksum_tensor(buf).item())
-
-
-class _Summer:
-    """The checksum of one bucket, taken span by span as its bytes are written or read."""
-
-    def __init__(self, buf: torch.Tensor, nbytes: int, pieces: bool):
-        self.buf = buf
-        self.nbytes = nbytes
-        self.rows = -(-nbytes // ALIGN)
-        self.done = 0
-        self.pieces = pieces
-        self.terms: list[torch.Tensor] = []
-
-    def upto(self, end: int) -> None:
-        """Sum the bytes up to ``end`` (rounded down to a row, except at the bucket's end)."""
-        end = self.nbytes if end >= self.nbytes else end // ALIGN * ALIGN
-        if end > self.done:
-            self.terms.append(_weighted(self.buf[self.done:end], self.done // ALIGN, self.rows))
-            self.done = end
-
-    def value(self) -> torch.Tensor:
-        if not self.terms:
-            return torch.tensor(self.nbytes, dtype=torch.int64, device=self.buf.device)
-        return (self.terms[0] if len(self.terms) == 1 else torch.stack(self.terms).sum()) + self.nbytes
 
 
 class ChecksumLedger:
