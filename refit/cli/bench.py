@@ -52,12 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--iters", type=int, default=10, help="timed steps of each [10]")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps of each first [2]")
     g.add_argument("--refit-timeout", type=float, default=120.0, help="refit_timeout_s of the synchronizer [120]")
-    try:
-        from refit.cli import bench_gpu
-    except ImportError:
-        bench_gpu = None
-    if bench_gpu is not None and hasattr(bench_gpu, "add_gpu_arguments"):
-        bench_gpu.add_gpu_arguments(p)
+    from refit.cli import bench_gpu
+
+    bench_gpu.add_gpu_arguments(p)
     g = p.add_argument_group("--device cuda --transport nixl (and --gpu-layers, -iters, -bucket-mib, -staging-mib, "
                              "-group-mib, -out)")
     g.add_argument("--nixl-chunk-mib", type=int, default=None, help="bytes per NIXL WRITE, MiB")
@@ -328,16 +325,14 @@ def run(args) -> int:
 
         return refuse_unused(args, SYNC_FLAGS, f"--path sync --device {args.device}") or bench_sync.run(args)
     if args.device == "cuda":
+        from refit.cli import bench_gpu
+
         if args.transport == "nixl":
             refused = refuse_unused(args, {*NIXL_FLAGS, "nixl_no_staged"}, "--device cuda --transport nixl")
             if refused:
                 return refused
-            from refit.cli.bench_nixl import bench as nixl_bench
-
             overrides = {NIXL_FLAGS[k]: getattr(args, k) for k in given_flags(args) & set(NIXL_FLAGS)}
-            return nixl_bench(overrides, staged=not args.nixl_no_staged, as_json=args.json)
-        from refit.cli import bench_gpu
-
+            return bench_gpu.run_nixl(overrides, staged=not args.nixl_no_staged, as_json=args.json)
         gpu_flags = {k for k in vars(args) if k.startswith("gpu_")}
         return refuse_unused(args, gpu_flags, "--device cuda") or bench_gpu.run_gpu(args)
     if args.transport != "nccl":

@@ -18,6 +18,9 @@ bytes land in place. In the same run it measures:
 * **IPC pull** (experimental): the engine maps the trainer's tensors over CUDA IPC and pulls
   them with copy engines, the same-host path that can beat NCCL.
 
+With ``--transport nixl`` the same plan is moved instead by the streamed NCCL executor and by
+``refit.transport.nixl``'s one-sided WRITEs, in place and with every bucket staged.
+
 Every destination tensor is checked bit for bit after the refits (and the golden run).
 """
 
@@ -32,9 +35,17 @@ import sys
 import time
 from typing import Any
 
+import torch
+
+from refit.layout import DTensorRef, Replicate, dtype_name
 from refit.models.fused import FusedLayout
 from refit.models.specs import MODELS, ModelSpec
+from refit.plan import RankPlan, RosterEntry, build_rank_plan, merge_rosters, pack_buckets
 from refit.testing.launch import DeviceFleet
+from refit.transport.factory import make_executor
+from refit.transport.nixl import DEFAULT_CHUNK_BYTES, NixlTransport
+from refit.transport.streamed import release_staging
+from refit.transport.xfer import xferdtensor_golden
 
 GB = 1e9
 MIB = 1 << 20
@@ -60,16 +71,12 @@ def hf_tensors(model: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def fused_engine(model: dict, dtype, device) -> tuple[dict, dict]:
     """vLLM-style parameters (fused qkv_proj / gate_up_proj) and, per HF name, a view into them."""
-    import torch
-
     params, views = FusedLayout(bench_spec(model)).build(lambda shape: torch.empty(shape, dtype=dtype, device=device))
     return params, {name: ref.to_local() for name, (ref, _, _) in views.items()}
 
 
 def fill_pattern(t, seed: int, chunk: int = 1 << 26) -> None:
     """Deterministic, position-dependent values, identical on any device (integer hashing)."""
-    import torch
-
     flat = t.view(-1)
     for a in range(0, flat.numel(), chunk):
         b = min(a + chunk, flat.numel())
@@ -79,8 +86,6 @@ def fill_pattern(t, seed: int, chunk: int = 1 << 26) -> None:
 
 
 def expected(shape, seed: int, src_dtype, dst_dtype, device):
-    import torch
-
     t = torch.empty(shape, dtype=src_dtype, device=device)
     fill_pattern(t, seed)
     return t.to(dst_dtype)
@@ -89,21 +94,15 @@ def expected(shape, seed: int, src_dtype, dst_dtype, device):
 # -- per-rank benchmark ---------------------------------------------------------------------------
 
 def _device(group):
-    import torch
-
     return group.device if getattr(group, "device", None) is not None else torch.device("cpu")
 
 
 def _sync(dev) -> None:
-    import torch
-
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 def _allocated(dev) -> int:
-    import torch
-
     return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
 
 
@@ -112,34 +111,21 @@ def _sync_barrier(group) -> None:
     group.barrier()
 
 
-def _make_plan(group, cfg, src, dst, bucket_bytes: int, direct_bytes: int | None = None):
-    from refit import Replicate
-    from refit.layout import dtype_name
-    from refit.plan import RosterEntry, build_rank_plan, merge_rosters
-
+def _make_plan(group, src, dst, bucket_bytes: int):
     mine = [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [0], [Replicate()], "src")
             for n, t in src.items()]
     mine += [RosterEntry.make(n, tuple(t.shape), dtype_name(t.dtype), [1], [Replicate()], "dst")
              for n, t in dst.items()]
     gathered = group.all_gather_object(mine)
     index = merge_rosters(dict(enumerate(gathered)), group.world_size)
-    kwargs = {"bucket_bytes": bucket_bytes}
-    if direct_bytes is not None:
-        import inspect
-
-        if "direct_bytes" not in inspect.signature(build_rank_plan).parameters:
-            return None, index
-        kwargs["direct_bytes"] = direct_bytes
     t0 = time.perf_counter()
-    plan = build_rank_plan(index, group.rank, **kwargs)
+    plan = build_rank_plan(index, group.rank, bucket_bytes=bucket_bytes)
     plan.build_s = time.perf_counter() - t0
-    return plan, index
+    return plan
 
 
 def _repack(plan, direct_bytes: int, bucket_bytes: int):
     """The same ops cut into buckets with another direct threshold (both ends do the same)."""
-    from refit.plan import RankPlan, pack_buckets
-
     def cut(ops):
         by_peer = {}
         for op in ops:
@@ -155,8 +141,6 @@ def _repack(plan, direct_bytes: int, bucket_bytes: int):
 def _breakdown(group, plan, src, dst, kw, n: int = 3) -> dict:
     """Where one synced refit's time goes: host setup / first group queued / all queued, and on
     the GPU: idle before the first NCCL group, first group start to last group end."""
-    from refit.transport.factory import make_executor
-
     dev = _device(group)
     rows = []
     for _ in range(n):
@@ -196,80 +180,100 @@ def _timed_loop(group, fn, iters: int, warmup: int = 2, singles: int = 3) -> dic
     return {"steady_s": steady, "single_s": statistics.median(times) if times else steady}
 
 
-def _verify(group, cfg, views, seed, src_dtype) -> tuple[bool, list[str]]:
-    import torch
+@dataclasses.dataclass(frozen=True)
+class RankTensors:
+    """One rank's side of the refit: rank 0, the trainer, holds ``src`` (the HF tensors); rank 1, the
+    engine, holds ``params`` (the fused vLLM parameters) and ``dst``, per HF name a view into them."""
 
-    bad = []
-    if group.rank != 1:
-        return True, bad
-    for i, (name, shape) in enumerate(hf_tensors(cfg)):
-        want = expected(shape, seed + i, src_dtype, views[name].dtype, views[name].device)
-        if not torch.equal(views[name], want):
-            bad.append(name)
-    return not bad, bad[:5]
+    rank: int
+    device: torch.device
+    model: dict  # ``bench_spec``'s overrides
+    names: list[tuple[str, tuple[int, ...]]]
+    src: dict[str, torch.Tensor]
+    dst: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+    def header(self) -> dict[str, Any]:
+        return {"rank": self.rank, "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                else "cpu", "bytes": sum(math.prod(s) for _, s in self.names) * 2, "tensors": len(self.names),
+                "fused_params": len(self.params)}
+
+    def fill(self, seed: int) -> None:
+        """The trainer's weights of ``seed`` (nothing on the engine)."""
+        for i, (n, _) in enumerate(self.names if self.rank == 0 else ()):
+            fill_pattern(self.src[n], seed + i)
+
+    def poison(self) -> None:
+        """NaN in every engine element: one that a refit misses fails the check."""
+        for d in self.dst.values():
+            d.fill_(float("nan"))
+        _sync(self.device)
+
+    def verify(self, seed: int, src_dtype=torch.bfloat16) -> tuple[bool, list[str]]:
+        """Whether the engine holds the trainer's weights of ``seed`` bit for bit; up to 5 names that differ."""
+        bad = [n for i, (n, shape) in enumerate(self.names if self.rank == 1 else ())
+               if not torch.equal(self.dst[n], expected(shape, seed + i, src_dtype, self.dst[n].dtype, self.device))]
+        return not bad, bad[:5]
 
 
-def _bench_rank(group, cfg: dict) -> dict:
-    import torch
-
-    from refit import DTensorRef, Replicate
-    from refit.transport.factory import make_executor
-    from refit.transport.streamed import release_staging
-    from refit.transport.xfer import xferdtensor_golden
-
+def rank_tensors(group, cfg: dict) -> RankTensors:
+    """This rank's tensors in bf16 on its device, the trainer's filled with ``cfg["seed"]``."""
     dev = _device(group)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     model = dict(cfg.get("model", {}), layers=cfg["layers"])
     names = hf_tensors(model)
-    out: dict[str, Any] = {"rank": group.rank,
-                           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
-    bf16, fp32 = torch.bfloat16, torch.float32
     src, dst, params = {}, {}, {}
     if group.rank == 0:
-        for i, (n, shape) in enumerate(names):
-            src[n] = torch.empty(shape, dtype=bf16, device=dev)
-            fill_pattern(src[n], cfg["seed"] + i)
+        src = {n: torch.empty(shape, dtype=torch.bfloat16, device=dev) for n, shape in names}
     else:
-        params, dst = fused_engine(model, bf16, dev)
-    total = sum(math.prod(s) for _, s in names) * 2
-    out["bytes"] = total
-    out["tensors"] = len(names)
-    out["fused_params"] = len(params)
+        params, dst = fused_engine(model, torch.bfloat16, dev)
+    side = RankTensors(group.rank, dev, model, names, src, dst, params)
+    side.fill(cfg["seed"])
     _sync(dev)
+    return side
 
-    def refit_runner(plan, s, d, **kw):
-        ex = make_executor(plan, group, transport="streamed", **kw)
-        return lambda: ex.run(s, d)
+
+def _fresh_refit(group, side: RankTensors, seed: int, refit) -> tuple[bool, list[str]]:
+    """New trainer weights, a poisoned engine, one ``refit()``: stale or missing bytes fail its check."""
+    side.fill(seed)
+    side.poison()
+    _sync_barrier(group)
+    refit()
+    return side.verify(seed)
+
+
+def _runner(group, plan, src, dst, **kw):
+    """One refit of ``plan`` by the streamed NCCL executor, built once."""
+    ex = make_executor(plan, group, transport="streamed", **kw)
+    return lambda: ex.run(src, dst)
+
+
+def _bench_rank(group, cfg: dict) -> dict:
+    side = rank_tensors(group, cfg)
+    dev, names, src, dst = side.device, side.names, side.src, side.dst
+    out = side.header()
 
     # --- refit, main configuration, verified
     budget = cfg["staging_mib"] * MIB
-    plan, index = _make_plan(group, cfg, src, dst, cfg["bucket_mib"] * MIB)
+    plan = _make_plan(group, src, dst, cfg["bucket_mib"] * MIB)
     out["plan"] = {"build_s": plan.build_s, "rounds": plan.num_rounds, "sends": len(plan.sends),
                    "recvs": len(plan.recvs), "direct": sum(len(b.ops) == 1 for b in plan.sends + plan.recvs)}
     kw = dict(staging_budget_bytes=budget, group_bytes=cfg["group_mib"] * MIB)
-    for d in dst.values():
-        d.fill_(float("nan"))
+    side.poison()
     st = make_executor(plan, group, transport="streamed", **kw).run(src, dst)
     out["refit_first_s"] = st.seconds
     out["refit_groups"] = st.groups
     out["refit_zero_copy"] = st.zero_copy_buckets
-    out["verify_refit"] = _verify(group, model, dst, cfg["seed"], bf16)
-    out["refit"] = _timed_loop(group, refit_runner(plan, src, dst, sync=False, **kw), cfg["iters"])
-    # fresh data, poisoned destination, one more verified refit
-    if group.rank == 0:
-        for i, (n, _) in enumerate(names):
-            fill_pattern(src[n], cfg["seed"] + 7 + i)
-    for d in dst.values():
-        d.fill_(float("nan"))
-    _sync_barrier(group)
-    make_executor(plan, group, transport="streamed", **kw).run(src, dst)
-    out["verify_refit_fresh"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+    out["verify_refit"] = side.verify(cfg["seed"])
+    out["refit"] = _timed_loop(group, _runner(group, plan, src, dst, sync=False, **kw), cfg["iters"])
+    out["verify_refit_fresh"] = _fresh_refit(
+        group, side, cfg["seed"] + 7, lambda: make_executor(plan, group, transport="streamed", **kw).run(src, dst))
 
     out["refit_breakdown"] = _breakdown(group, plan, src, dst, kw)
 
     # --- raw NCCL: one flat buffer of the same bytes
-    bufs = {"flat": torch.empty(total, dtype=torch.uint8, device=dev)}
+    bufs = {"flat": torch.empty(out["bytes"], dtype=torch.uint8, device=dev)}
 
     def raw():
         flat = bufs["flat"]
@@ -282,30 +286,24 @@ def _bench_rank(group, cfg: dict) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
-    # --- sweep of bucket and group sizes (and all-packed plans when the planner offers it)
+    # --- sweep of bucket and group sizes
     sweep = []
     if cfg["sweep"]:
-        variants = [(1024, g, None) for g in (64, 256, 4096, 1 << 20)] + [(128, 1024, None)]
-        variants += [(256, 1024, 1 << 62), (1024, 4096, 1 << 62)]  # everything packed, if the planner can
-        for b_mib, g_mib, direct in variants:
-            p, _ = _make_plan(group, cfg, src, dst, b_mib * MIB, direct)
-            if p is None:
-                continue
-            res = _timed_loop(group, refit_runner(p, src, dst, sync=False, staging_budget_bytes=budget,
-                                                  group_bytes=g_mib * MIB), max(3, cfg["iters"] // 2))
-            sweep.append({"bucket_mib": b_mib, "group_mib": g_mib, "packed": direct is not None,
-                          "rounds": p.num_rounds, **res})
+        for b_mib, g_mib in [(1024, g) for g in (64, 256, 4096, 1 << 20)] + [(128, 1024)]:
+            p = _make_plan(group, src, dst, b_mib * MIB)
+            res = _timed_loop(group, _runner(group, p, src, dst, sync=False, staging_budget_bytes=budget,
+                                             group_bytes=g_mib * MIB), max(3, cfg["iters"] // 2))
+            sweep.append({"bucket_mib": b_mib, "group_mib": g_mib, "packed": False, "rounds": p.num_rounds, **res})
         # fewer, larger NCCL ops: blocks under the threshold are packed (copies overlap the wire)
         for direct_mib, b_mib in ((16, 512), (64, 512), (1 << 20, 512), (1 << 20, 1024)):
             p = _repack(plan, direct_mib * MIB, b_mib * MIB)
-            res = _timed_loop(group, refit_runner(p, src, dst, sync=False, staging_budget_bytes=budget,
-                                                  group_bytes=cfg["group_mib"] * MIB), max(3, cfg["iters"] // 2))
+            res = _timed_loop(group, _runner(group, p, src, dst, sync=False, staging_budget_bytes=budget,
+                                             group_bytes=cfg["group_mib"] * MIB), max(3, cfg["iters"] // 2))
             sweep.append({"bucket_mib": b_mib, "group_mib": cfg["group_mib"], "packed": f"<{direct_mib}MiB",
                           "rounds": p.num_rounds, "ops": len(p.sends) + len(p.recvs), **res})
-        for d in dst.values():  # the last (all-packed) variant lands the same bytes
-            d.fill_(float("nan"))
+        side.poison()  # the last (all-packed) variant lands the same bytes
         make_executor(p, group, transport="streamed", staging_budget_bytes=budget).run(src, dst)
-        out["verify_repacked"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+        out["verify_repacked"] = side.verify(cfg["seed"] + 7)
     out["sweep"] = sweep
 
     # --- per-tensor broadcast baselines
@@ -318,13 +316,13 @@ def _bench_rank(group, cfg: dict) -> dict:
                 if group.rank == 0:
                     group.broadcast(src[n], 0)
                 else:
-                    tmp = torch.empty(shape, dtype=bf16, device=dev)
+                    tmp = torch.empty(shape, dtype=torch.bfloat16, device=dev)
                     group.broadcast(tmp, 0)
                     dst[n].copy_(tmp)  # load_weights into the fused parameter
         return fn
 
     out["bcast"] = _timed_loop(group, bcast_loop(False), max(2, cfg["iters"] // 3), warmup=1)
-    out["verify_bcast"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+    out["verify_bcast"] = side.verify(cfg["seed"] + 7)
     out["bcast_handshake"] = _timed_loop(group, bcast_loop(True), 1, warmup=1, singles=0)
 
     # --- xferdtensor_golden, per tensor
@@ -334,10 +332,9 @@ def _bench_rank(group, cfg: dict) -> dict:
             d = DTensorRef(dst[n], shape) if group.rank == 1 else None
             xferdtensor_golden(s, [0], [Replicate()], d, [1], [Replicate()], group)
 
-    for d in dst.values():
-        d.fill_(float("nan"))
+    side.poison()
     out["golden"] = _timed_loop(group, golden, 1, warmup=1, singles=0)
-    out["verify_golden"] = _verify(group, model, dst, cfg["seed"] + 7, bf16)
+    out["verify_golden"] = side.verify(cfg["seed"] + 7)
 
     # --- hygiene: 50 refits, staging bounded and GPU memory flat
     def hygiene(plan_, src_, dst_, n):
@@ -360,11 +357,9 @@ def _bench_rank(group, cfg: dict) -> dict:
     # --- experimental: the engine pulls over CUDA IPC with copy engines (same host only)
     if cfg["ipc"] and dev.type == "cuda":
         try:
-            for d in dst.values():
-                d.fill_(float("nan"))
+            side.poison()
             out["ipc"] = _ipc_pull(group, src, dst, names, cfg)
-            ok, bad = _verify(group, model, dst, cfg["seed"] + 7, bf16)
-            out["ipc"]["verified"] = ok if group.rank == 1 else None
+            out["ipc"]["verified"] = side.verify(cfg["seed"] + 7)[0] if group.rank == 1 else None
         except Exception as e:  # noqa: BLE001 - an experiment must not sink the benchmark
             out["ipc"] = {"error": f"{type(e).__name__}: {e}"}
 
@@ -373,37 +368,74 @@ def _bench_rank(group, cfg: dict) -> dict:
         src32 = {}
         if group.rank == 0:
             for i, (n, shape) in enumerate(names):
-                src32[n] = torch.empty(shape, dtype=fp32, device=dev)
+                src32[n] = torch.empty(shape, dtype=torch.float32, device=dev)
                 fill_pattern(src32[n], cfg["seed"] + 11 + i)
             src.clear()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        plan32, _ = _make_plan(group, cfg, src32, dst, cfg["bucket32_mib"] * MIB)
-        for d in dst.values():
-            d.fill_(float("nan"))
-        st = make_executor(plan32, group, transport="streamed", **kw).run(src32, dst)
-        out["verify_fp32"] = _verify(group, model, dst, cfg["seed"] + 11, fp32)
-        out["fp32"] = _timed_loop(group, refit_runner(plan32, src32, dst, sync=False, **kw), cfg["iters"])
+        plan32 = _make_plan(group, src32, dst, cfg["bucket32_mib"] * MIB)
+        side.poison()
+        make_executor(plan32, group, transport="streamed", **kw).run(src32, dst)
+        out["verify_fp32"] = side.verify(cfg["seed"] + 11, torch.float32)
+        out["fp32"] = _timed_loop(group, _runner(group, plan32, src32, dst, sync=False, **kw), cfg["iters"])
         out["fp32_rounds"] = plan32.num_rounds
         out["fp32_breakdown"] = _breakdown(group, plan32, src32, dst, kw)
         out["hygiene_fp32"] = hygiene(plan32, src32, dst, cfg["refits"])
         out["fp32_sweep"] = []
         if cfg["sweep"]:
             for b_mib, budget_mib, g_mib in ((256, 1024, 1024), (1024, 4096, 2048), (512, 1024, 1024)):
-                p32, _ = _make_plan(group, cfg, src32, dst, b_mib * MIB)
-                runner = refit_runner(p32, src32, dst, sync=False, staging_budget_bytes=budget_mib * MIB,
-                                      group_bytes=g_mib * MIB)
+                p32 = _make_plan(group, src32, dst, b_mib * MIB)
+                runner = _runner(group, p32, src32, dst, sync=False, staging_budget_bytes=budget_mib * MIB,
+                                 group_bytes=g_mib * MIB)
                 res = _timed_loop(group, runner, max(3, cfg["iters"] // 2))
                 out["fp32_sweep"].append({"bucket_mib": b_mib, "staging_mib": budget_mib, "group_mib": g_mib, **res})
-        src = src32
 
     release_staging(dev)
     return out
 
 
+def _nixl_rank(group, cfg: dict) -> dict:
+    """One rank of ``--transport nixl``: one plan moved by the streamed NCCL executor, then by NIXL's
+    one-sided WRITEs in place (the default) and with every bucket staged."""
+    side = rank_tensors(group, cfg)
+    src, dst = side.src, side.dst
+    out = side.header()
+    plan = _make_plan(group, src, dst, cfg["bucket_mib"] * MIB)
+    out["plan"] = {"sends": len(plan.sends), "recvs": len(plan.recvs),
+                   "single_block": sum(len(b.ops) == 1 for b in plan.sends + plan.recvs)}
+    kw = dict(staging_budget_bytes=cfg["staging_mib"] * MIB, group_bytes=cfg["group_mib"] * MIB)
+    side.poison()
+    make_executor(plan, group, transport="streamed", **kw).run(src, dst)
+    out["verify_nccl"] = side.verify(cfg["seed"])
+    out["nccl"] = _timed_loop(group, _runner(group, plan, src, dst, sync=False, **kw), cfg["iters"])
+    for variant, direct in (("nixl", True), ("nixl_staged", False)):
+        if variant == "nixl_staged" and not cfg.get("staged", True):
+            continue
+        t0 = time.perf_counter()
+        t = NixlTransport(group.rank, device=side.device, timeout_s=cfg["timeout_s"], direct=direct,
+                          chunk_bytes=cfg["chunk_mib"] * MIB)
+        try:
+            t.prepare(plan, src, dst)
+            t.handshake(group)  # the one collective, before any refit
+            res: dict[str, Any] = {"setup_s": time.perf_counter() - t0}
+            side.poison()
+            st = t.run(src, dst)
+            res.update(first_s=st.seconds, staging_bytes=st.staging_capacity_bytes, zero_copy=st.zero_copy_buckets)
+            res["verify"] = side.verify(cfg["seed"])
+            res.update(_timed_loop(group, lambda t=t: t.run(src, dst), cfg["iters"]))
+            res["verify_fresh"] = _fresh_refit(group, side, cfg["seed"] + 7, lambda t=t: t.run(src, dst))
+            side.fill(cfg["seed"])  # the next variant starts from the first weights
+            _sync_barrier(group)
+        except Exception as e:  # noqa: BLE001 - reported in the table rather than losing the NCCL figures
+            res = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            t.close()
+        out[variant] = res
+    return out
+
+
 def _ipc_pull(group, src, dst, names, cfg) -> dict:
     """Rank 1 maps rank 0's tensors (CUDA IPC) and copies them into its views with copy engines."""
-    import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
     dev = group.device
@@ -450,8 +482,6 @@ def _ipc_pull(group, src, dst, names, cfg) -> dict:
 def _abort_probe(group, delay_s: float = 0.3) -> dict:
     """Rank 1 blocks in an NCCL receive rank 0 never sends; a thread aborts the group."""
     import threading
-
-    import torch
 
     from refit.comm.group import GroupAborted
 
@@ -617,32 +647,100 @@ def print_table(s: dict) -> None:
     print(f"verified bit-exact: {s['verified']}")
 
 
-def run_gpu(args) -> int:
-    import torch
+def nixl_summary(r0: dict, r1: dict) -> dict:
+    total = r1["bytes"]
 
+    def gbps(key, field="steady_s"):
+        a, b = r0.get(key, {}), r1.get(key, {})
+        if field not in a or field not in b:
+            return float("nan")
+        return total / max(a[field], b[field]) / GB
+
+    s = {"model": f"Llama-3 shapes, {r1['tensors']} HF tensors -> fused vLLM params, bf16", "bytes": total,
+         "device": r1["device"], "plan": r1["plan"], "nccl_GBps": gbps("nccl"),
+         "nccl_single_GBps": gbps("nccl", "single_s"),
+         "verified": {"nccl": r1["verify_nccl"][0]}}
+    for v in ("nixl", "nixl_staged"):
+        if v not in r1:
+            continue
+        if "error" in r0[v] or "error" in r1[v]:
+            s[v] = {"error": r0[v].get("error") or r1[v].get("error")}
+            continue
+        s[v] = {"GBps": gbps(v), "single_GBps": gbps(v, "single_s"), "setup_s": max(r0[v]["setup_s"], r1[v]["setup_s"]),
+                "src_staging_MiB": r0[v]["staging_bytes"] / MIB, "dst_staging_MiB": r1[v]["staging_bytes"] / MIB}
+        s[v]["over_nccl"] = s[v]["GBps"] / s["nccl_GBps"]
+        s["verified"][v] = r1[v]["verify"][0] and r1[v]["verify_fresh"][0]
+    return s
+
+
+def print_nixl_table(s: dict) -> None:
+    print(f"\n{s['model']}; {s['bytes'] / GB:.2f} GB; {s['device']} x2; plan {s['plan']}")
+    print(f"{'path':40s} {'GB/s':>8s} {'single':>8s}  note")
+    print(f"{'NCCL, streamed executor':40s} {s['nccl_GBps']:8.1f} {s['nccl_single_GBps']:8.1f}  same plan")
+    for v, label in (("nixl", "NIXL WRITE, in place (zero copy)"), ("nixl_staged", "NIXL WRITE, every bucket staged")):
+        r = s.get(v)
+        if r is None:
+            continue
+        if "error" in r:
+            print(f"{label:40s} {'-':>8s} {'-':>8s}  {r['error']}")
+            continue
+        print(f"{label:40s} {r['GBps']:8.1f} {r['single_GBps']:8.1f}  x{r['over_nccl']:.3f} of NCCL; setup "
+              f"{r['setup_s']:.2f}s; staging {r['src_staging_MiB']:.0f}/{r['dst_staging_MiB']:.0f} MiB (src/dst)")
+    print(f"verified bit-exact: {s['verified']}")
+
+
+def _two_gpus(what: str) -> bool:
     if torch.cuda.device_count() < 2:
-        print("refit bench --device cuda needs 2 GPUs; torch sees", torch.cuda.device_count(), file=sys.stderr)
-        return 2
-    cfg = _cfg(args)
-    t0 = time.perf_counter()
-    with DeviceFleet(2) as fleet:
-        r0, r1 = fleet.run(_bench_rank, cfg, timeout_s=260)
-        fleet.rebuild()
-        abort = fleet.run(_abort_probe, timeout_s=60)[1]
-    s = summarize(r0, r1, abort)
+        print(f"refit bench {what} needs 2 GPUs; torch sees", torch.cuda.device_count(), file=sys.stderr)
+    return torch.cuda.device_count() >= 2
+
+
+def _report(s: dict, ranks: list[dict], t0: float, out_path: str | None, as_json: bool, print_text) -> int:
+    """``s`` with the wall time and both ranks' figures, written to ``out_path`` and printed as JSON or
+    by ``print_text``; 0 when every check was bit-exact."""
     s["wall_s"] = time.perf_counter() - t0
-    s["per_rank"] = [r0, r1]
+    s["per_rank"] = ranks
     text = json.dumps(s, indent=1, default=str)
-    out_path = getattr(args, "gpu_out", None)
     if out_path:
         with open(out_path, "w") as f:
             f.write(text)
-    if getattr(args, "json", False):
+    if as_json:
         print(text)
     else:
-        print_table(s)
-    ok = all(s["verified"].values())
-    return 0 if ok else 1
+        print_text(s)
+    return 0 if all(s["verified"].values()) else 1
+
+
+def run_gpu(args) -> int:
+    if not _two_gpus("--device cuda"):
+        return 2
+    t0 = time.perf_counter()
+    with DeviceFleet(2) as fleet:
+        r0, r1 = fleet.run(_bench_rank, _cfg(args), timeout_s=260)
+        fleet.rebuild()
+        abort = fleet.run(_abort_probe, timeout_s=60)[1]
+    return _report(summarize(r0, r1, abort), [r0, r1], t0, getattr(args, "gpu_out", None),
+                   getattr(args, "json", False), print_table)
+
+
+NIXL_DEFAULTS = {"layers": 32, "iters": 10, "bucket_mib": 1024, "chunk_mib": DEFAULT_CHUNK_BYTES // MIB,
+                 "staging_mib": 1024, "group_mib": 1024, "timeout_s": 60.0, "out": None}
+
+
+def run_nixl(overrides: dict[str, Any] | None = None, *, staged: bool = True, as_json: bool = False) -> int:
+    """``refit bench --device cuda --transport nixl``: NIXL against NCCL on the 2-GPU 8B refit (same plan,
+    same run), with ``overrides`` of ``NIXL_DEFAULTS`` (what the command line's flags set)."""
+    unknown = sorted(set(overrides or {}) - set(NIXL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"run_nixl: unknown settings {unknown}; known: {sorted(NIXL_DEFAULTS)}")
+    args = {**NIXL_DEFAULTS, **(overrides or {})}
+    if not _two_gpus("--device cuda --transport nixl"):
+        return 2
+    cfg = {**{k: v for k, v in args.items() if k != "out"}, "staged": staged, "seed": 1234}
+    t0 = time.perf_counter()
+    with DeviceFleet(2) as fleet:
+        r0, r1 = fleet.run(_nixl_rank, cfg, timeout_s=280)
+    return _report(nixl_summary(r0, r1), [r0, r1], t0, args["out"], as_json, print_nixl_table)
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""`refit bench-gpu`'s per-rank flow on CPU over gloo."""
+"""The per-rank flows of `refit bench --device cuda` (NCCL, and NIXL) on CPU over gloo."""
 
 from __future__ import annotations
 
@@ -20,3 +20,23 @@ def test_gpu_benchmark_flow_runs_on_cpu():
     assert s["hygiene_fp32_src"]["capacity"] <= 1 << 20
     assert r1["fused_params"] < r1["tensors"]
     bench_gpu.print_table(s)
+
+
+def test_nixl_benchmark_flow_runs_on_cpu():
+    """`refit bench --device cuda --transport nixl`'s per-rank flow on a tiny model in host memory:
+    the streamed executor over gloo, then NIXL in place and staged, each checked bit for bit."""
+    import pytest
+
+    from refit.cli import bench_gpu
+    from refit.transport.nixl import nixl_available
+
+    if not nixl_available():
+        pytest.skip("needs NIXL (refit[nixl])")
+    tiny = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 96, "vocab": 128}
+    cfg = dict(bench_gpu.NIXL_DEFAULTS, layers=2, model=tiny, iters=2, bucket_mib=1, chunk_mib=1, staging_mib=1,
+               group_mib=1, staged=True, seed=1234)
+    with LocalFleet(2) as f:
+        r0, r1 = f.run(bench_gpu._nixl_rank, cfg, timeout_s=120)
+    s = bench_gpu.nixl_summary(r0, r1)
+    assert s["verified"] == {"nccl": True, "nixl": True, "nixl_staged": True}, s
+    bench_gpu.print_nixl_table(s)
