@@ -66,11 +66,15 @@ def device_of(src: TensorMap, dst: TensorMap) -> torch.device:
     return torch.device("cpu")
 
 
-def require_names(rank: int, needed: set[str], tensors: TensorMap, side: str) -> None:
-    """Every tensor the plan reads (``side="src"``) or writes (``"dst"``) is given."""
-    missing = sorted(needed - set(tensors))
-    if missing:
-        raise PlanError(f"rank {rank}: {side} tensor(s) {missing} are in this rank's plan but were not given")
+def require_tensors(plan, src: TensorMap, dst: TensorMap) -> None:
+    """Every tensor a ``RankPlan`` reads and writes is given; the missing ones are named."""
+    local = {op.name for op in plan.local}
+    needed = {"src": {op.name for b in plan.sends for op in b.ops} | local,
+              "dst": {op.name for b in plan.recvs for op in b.ops} | local}
+    for side, tensors in (("src", src), ("dst", dst)):
+        missing = sorted(needed[side] - set(tensors))
+        if missing:
+            raise PlanError(f"rank {plan.rank}: {side} tensor(s) {missing} are in this rank's plan but were not given")
 
 
 class Executor(abc.ABC):
@@ -141,4 +145,4 @@ class Executor(abc.ABC):
         return None
 
 
-__all__ = ["Binding", "Corruption", "Executor", "TensorMap", "TransferStats", "device_of", "require_names"]
+__all__ = ["Binding", "Corruption", "Executor", "TensorMap", "TransferStats", "device_of", "require_tensors"]

@@ -22,7 +22,7 @@ import torch
 
 from refit.errors import PlanError
 from refit.plan import Bucket, RankPlan
-from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_names
+from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_tensors
 from refit.transport.buckets import (
     ChecksumLedger,
     StagingPool,
@@ -61,8 +61,7 @@ class RoundsExecutor(Executor):
         self._staged_sends: dict[int, list[Bucket]] = {}
 
     def _bind(self, src: TensorMap, dst: TensorMap) -> None:
-        require_names(self.plan.rank, {op.name for b in self.plan.sends for op in b.ops}, src, "src")
-        require_names(self.plan.rank, {op.name for b in self.plan.recvs for op in b.ops}, dst, "dst")
+        require_tensors(self.plan, src, dst)
         device = self.device or device_of(src, dst)
         if self._pool is None or self._pool.device != device:
             self._pool = StagingPool(device)

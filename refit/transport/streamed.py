@@ -39,7 +39,7 @@ import torch
 from refit.comm.base import poll_until
 from refit.errors import TransportError
 from refit.plan import Bucket, RankPlan
-from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_names
+from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_tensors
 from refit.transport.buckets import ChecksumLedger, align, direct_view, local_copies, pack_bucket, unpack_bucket
 
 DEFAULT_STAGING_BUDGET = 1 << 30
@@ -335,8 +335,7 @@ class StreamedExecutor(Executor):
 
     # -- binding -----------------------------------------------------------------------------------
     def _bind(self, src: TensorMap, dst: TensorMap) -> None:
-        require_names(self.plan.rank, {op.name for b in self.plan.sends for op in b.ops}, src, "src")
-        require_names(self.plan.rank, {op.name for b in self.plan.recvs for op in b.ops}, dst, "dst")
+        require_tensors(self.plan, src, dst)
         device = self.device or device_of(src, dst)
         self._lanes = Lanes(device, self.comm)
         self._schedule = self._classify(src, dst, staged_sends=False)
