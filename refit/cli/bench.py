@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --device cuda: nixl times refit.transport.nixl's one-sided writes next to NCCL on the "
                         "same plan (needs refit[nixl]) [nccl]")
     g = p.add_argument_group("--path sync (the model and layout flags above apply too)")
-    g.add_argument("--fleet", choices=["local", "ray"], default="local",
-                   help="local: endpoints on threads of this process; ray: one Ray actor per rank [local]")
+    g.add_argument("--fleet", choices=["local", "process", "ray"], default="local",
+                   help="local: endpoints on threads of this process; process: a process per rank, without Ray; "
+                        "ray: one Ray actor per rank [local]")
     g.add_argument("--model", default="llama3-8b", help="a refit.models.specs model, or a config.json [llama3-8b]")
     g.add_argument("--iters", type=int, default=10, help="timed steps of each [10]")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps of each first [2]")
@@ -123,55 +124,53 @@ def _placements(shard_dim, mesh_ndim):
 
 
 def _setup(group, cfg):
-    """Build this rank's source and destination tensors and the resharder."""
+    """This rank's source and destination tensors, the resharder, and a check that every destination
+    element holds the trainer's pattern."""
     import numpy as np
     import torch
 
-    from refit.cli.bench_sync import fill_pattern
+    from refit.cli.bench_sync import fill_pattern, holds_pattern
     from refit.layout import DTensorRef, region_shape, shard_region
     from refit.transport.xfer import Resharder
 
     n_src, tp, dp = cfg["src"], cfg["dst_tp"], cfg["dst_dp"]
     src_mesh = list(range(n_src))
     dst_mesh = np.arange(n_src, n_src + tp * dp).reshape(dp, tp).tolist()
-    sdt, ddt = getattr(torch, cfg["dtype"]), getattr(torch, cfg["dst_dtype"])
-    src, dst, expect = {}, {}, {}
+    src, dst, regions = {}, {}, {}
     for i, (name, shape, dim) in enumerate(model_tensors(cfg["layers"], cfg["hidden"], cfg["vocab"])):
         if group.rank < n_src:
             sp = _placements(dim, 1)
             region = shard_region(shape, (n_src,), (group.rank,), sp)
-            local = torch.empty(region_shape(region), dtype=sdt)
+            local = torch.empty(region_shape(region), dtype=getattr(torch, cfg["dtype"]))
             fill_pattern(local, shape, region, i)
             src[name] = (DTensorRef(local, shape), src_mesh, sp)
         else:
             dp_i, tp_i = divmod(group.rank - n_src, tp)
             placements = _placements(dim, 2)
             region = shard_region(shape, (dp, tp), (dp_i, tp_i), placements)
-            local = torch.full(region_shape(region), float("nan"), dtype=ddt)
-            want = torch.empty(local.shape, dtype=sdt)
-            fill_pattern(want, shape, region, i)
-            expect[name] = want.to(ddt)
+            local = torch.full(region_shape(region), float("nan"), dtype=getattr(torch, cfg["dst_dtype"]))
+            regions[name] = (shape, region, i)
             dst[name] = (DTensorRef(local, shape), dst_mesh, placements)
     r = Resharder(group, src, dst, bucket_bytes=int(cfg["bucket_mib"] * MIB))
-    return r, expect
-
-
-_STATE = {}
+    return r, lambda: all(holds_pattern(r.dst[n], *where) for n, where in regions.items())
 
 
 def _bench_rank(group, cfg):
     import torch
 
+    from refit.plan import min_bytes_needed
     from refit.transport.broadcast import BroadcastPlan
     from refit.transport.factory import make_executor
 
     t0 = time.perf_counter()
-    resharder, expect = _setup(group, cfg)
+    resharder, correct = _setup(group, cfg)
     setup_s = time.perf_counter() - t0
     plan = resharder.plan
     out = {"rank": group.rank, "plan_s": resharder.plan_seconds, "setup_s": setup_s,
            "sent": plan.bytes_sent, "received": plan.bytes_received, "local": plan.local_bytes,
            "payload_sent": sum(op.nbytes for op in plan.send_ops())}
+    if group.rank == 0:  # the minimum, from the merged rosters alone (independently of the plan)
+        out["min_bytes_needed"] = min_bytes_needed(resharder.index)
 
     def timed(fn):
         times = []
@@ -187,7 +186,7 @@ def _bench_rank(group, cfg):
     stats = []
     out["refit_s"] = timed(lambda: stats.append(resharder.run()))
     out["peak_staging"] = max(s.peak_staging_bytes for s in stats)
-    out["correct"] = all(torch.equal(resharder.dst[n], expect[n]) for n in expect)
+    out["correct"] = correct()
 
     # raw: the same bytes per pair, one flat buffer each, all pairs at once
     pair_bytes = {}
@@ -212,14 +211,13 @@ def _bench_rank(group, cfg):
         with make_executor(BroadcastPlan.build(resharder.index, group.rank), group) as golden:
             golden.prepare(resharder.src, resharder.dst)
             out["golden_s"] = timed(golden.run)
-        out["golden_correct"] = all(torch.equal(resharder.dst[n], expect[n]) for n in expect)
+        out["golden_correct"] = correct()
     return out
 
 
 def run_cpu(args) -> dict:
     import torch
 
-    from refit.plan import min_bytes_needed
     from refit.testing.launch import LocalFleet
 
     cfg = {
@@ -250,7 +248,7 @@ def run_cpu(args) -> dict:
         "largest_tensor_bytes": max(sizes),
         "bytes_moved": moved,
         "payload_bytes": payload,
-        "min_bytes_needed": _min_needed(ranks, min_bytes_needed, cfg),
+        "min_bytes_needed": ranks[0]["min_bytes_needed"],
         "refit_s": refit_s,
         "refit_GBps": payload / refit_s / 1e9,
         "raw_sendrecv_s": raw_s,
@@ -268,25 +266,6 @@ def run_cpu(args) -> dict:
         result.update(golden_s=golden_s, speedup_vs_golden=golden_s / refit_s,
                       golden_correct=all(r["golden_correct"] for r in ranks))
     return result
-
-
-def _min_needed(ranks, min_bytes_needed, cfg):
-    """The minimum, computed from the rosters alone (independently of the plan)."""
-    import numpy as np
-
-    from refit.plan import RosterEntry, merge_rosters
-
-    n_src, tp, dp = cfg["src"], cfg["dst_tp"], cfg["dst_dp"]
-    world = n_src + tp * dp
-    rosters = {r: [] for r in range(world)}
-    dst_mesh = np.arange(n_src, world).reshape(dp, tp).tolist()
-    for name, shape, dim in model_tensors(cfg["layers"], cfg["hidden"], cfg["vocab"]):
-        for r in range(n_src):
-            rosters[r].append(RosterEntry.make(name, shape, cfg["dtype"], list(range(n_src)), _placements(dim, 1),
-                                               "src"))
-        for r in range(n_src, world):
-            rosters[r].append(RosterEntry.make(name, shape, cfg["dst_dtype"], dst_mesh, _placements(dim, 2), "dst"))
-    return min_bytes_needed(merge_rosters(rosters, world))
 
 
 def print_table(result: dict) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from refit.cli.bench_sync import GB, MIB, fill_pattern, holds_pattern
 from refit.layout import DTensorRef, Replicate, dtype_name
 from refit.models.fused import FusedLayout
 from refit.models.specs import MODELS, ModelSpec
@@ -46,10 +47,6 @@ from refit.transport.factory import make_executor
 from refit.transport.nixl import DEFAULT_CHUNK_BYTES, NixlTransport
 from refit.transport.streamed import release_staging
 from refit.transport.xfer import xferdtensor_golden
-
-GB = 1e9
-MIB = 1 << 20
-
 
 # -- the model -------------------------------------------------------------------------------------
 
@@ -75,20 +72,9 @@ def fused_engine(model: dict, dtype, device) -> tuple[dict, dict]:
     return params, {name: ref.to_local() for name, (ref, _, _) in views.items()}
 
 
-def fill_pattern(t, seed: int, chunk: int = 1 << 26) -> None:
-    """Deterministic, position-dependent values, identical on any device (integer hashing)."""
-    flat = t.view(-1)
-    for a in range(0, flat.numel(), chunk):
-        b = min(a + chunk, flat.numel())
-        idx = torch.arange(a, b, dtype=torch.int64, device=t.device)
-        v = ((idx * 2654435761 + seed * 97531) >> 5) % 8191
-        flat[a:b].copy_((v.to(torch.float32) - 4095.0) / 1024.0)
-
-
-def expected(shape, seed: int, src_dtype, dst_dtype, device):
-    t = torch.empty(shape, dtype=src_dtype, device=device)
-    fill_pattern(t, seed)
-    return t.to(dst_dtype)
+def whole(shape: tuple[int, ...]) -> tuple:
+    """The region of a whole tensor (``bench_sync.pattern``'s positions): ranks here hold whole tensors."""
+    return tuple(((0, n),) for n in shape)
 
 
 # -- per-rank benchmark ---------------------------------------------------------------------------
@@ -200,8 +186,8 @@ class RankTensors:
 
     def fill(self, seed: int) -> None:
         """The trainer's weights of ``seed`` (nothing on the engine)."""
-        for i, (n, _) in enumerate(self.names if self.rank == 0 else ()):
-            fill_pattern(self.src[n], seed + i)
+        for i, (n, shape) in enumerate(self.names if self.rank == 0 else ()):
+            fill_pattern(self.src[n], shape, whole(shape), seed + i)
 
     def poison(self) -> None:
         """NaN in every engine element: one that a refit misses fails the check."""
@@ -209,10 +195,12 @@ class RankTensors:
             d.fill_(float("nan"))
         _sync(self.device)
 
-    def verify(self, seed: int, src_dtype=torch.bfloat16) -> tuple[bool, list[str]]:
-        """Whether the engine holds the trainer's weights of ``seed`` bit for bit; up to 5 names that differ."""
+    def verify(self, seed: int) -> tuple[bool, list[str]]:
+        """Whether the engine holds the trainer's weights of ``seed`` bit for bit; up to 5 names that differ.
+
+        The pattern's values are exact in bf16 and fp32, so the fp32 trainer's cast lands the same bits."""
         bad = [n for i, (n, shape) in enumerate(self.names if self.rank == 1 else ())
-               if not torch.equal(self.dst[n], expected(shape, seed + i, src_dtype, self.dst[n].dtype, self.device))]
+               if not holds_pattern(self.dst[n], shape, whole(shape), seed + i)]
         return not bad, bad[:5]
 
 
@@ -369,14 +357,14 @@ def _bench_rank(group, cfg: dict) -> dict:
         if group.rank == 0:
             for i, (n, shape) in enumerate(names):
                 src32[n] = torch.empty(shape, dtype=torch.float32, device=dev)
-                fill_pattern(src32[n], cfg["seed"] + 11 + i)
+                fill_pattern(src32[n], shape, whole(shape), cfg["seed"] + 11 + i)
             src.clear()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         plan32 = _make_plan(group, src32, dst, cfg["bucket32_mib"] * MIB)
         side.poison()
         make_executor(plan32, group, transport="streamed", **kw).run(src32, dst)
-        out["verify_fp32"] = side.verify(cfg["seed"] + 11, torch.float32)
+        out["verify_fp32"] = side.verify(cfg["seed"] + 11)
         out["fp32"] = _timed_loop(group, _runner(group, plan32, src32, dst, sync=False, **kw), cfg["iters"])
         out["fp32_rounds"] = plan32.num_rounds
         out["fp32_breakdown"] = _breakdown(group, plan32, src32, dst, kw)
