@@ -11,8 +11,9 @@ worker processes on the same plan, alternating step by step so that drift hits b
 * **raw + checksums**: the same with ``verify=True``, which splits the difference between the two
   into what checksums cost and what the control plane costs.
 
-``--fleet local`` puts the endpoints on threads of this process (``LocalWorker``); ``--fleet ray``
-makes every rank a Ray actor. The model is a ``refit.models.specs`` shape (``--model``), narrowed
+``--fleet local`` puts the endpoints on threads of this process (``LocalWorker``); ``--fleet process``
+gives every rank a process of its own without Ray (``ProcessWorker``); ``--fleet ray`` makes every
+rank a Ray actor. The model is a ``refit.models.specs`` shape (``--model``), narrowed
 with ``--layers`` / ``--hidden``; the trainer holds it TP over ``--src`` ranks and each of
 ``--dst-dp`` engine shards TP over ``--dst-tp`` workers. After the timed steps every engine
 checks every element it holds against the trainer's pattern.
@@ -36,6 +37,7 @@ from refit.layout import mesh_coords_of, region_shape, shard_region
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec, get_model
 from refit.runtime.endpoint import EngineEndpoint, LocalShard, TrainerEndpoint
+from refit.runtime.handles import ProcessWorker
 
 GB = 1e9
 MIB = 1 << 20
@@ -216,16 +218,21 @@ class Fleet:
         self.kind = kind
         self.ray_fleet = None
         self.ray_started = False
-        if kind == "local":
+        self.processes: list[ProcessWorker] = []
+        if kind in ("local", "process"):
             rank = iter(range(layout.world_size))  # communicator order; over NCCL one GPU per rank
             gpus = max(torch.cuda.device_count(), 1) if device == "cuda" else 1
 
-            def where() -> str:
-                return f"cuda:{next(rank) % gpus}" if device == "cuda" else "cpu"
+            def make(cls, *args, **kwargs):
+                kwargs.update(device=f"cuda:{next(rank) % gpus}" if device == "cuda" else "cpu")
+                if kind == "local":
+                    return cls(*args, **kwargs)
+                self.processes.append(ProcessWorker(cls, *args, name=f"{cls.__name__} {args}", **kwargs))
+                return self.processes[-1]
 
-            self.trainers = [BenchTrainer(r, layout.trainer_tp, model=model, dtype=dtypes[0], device=where())
+            self.trainers = [make(BenchTrainer, r, layout.trainer_tp, model=model, dtype=dtypes[0])
                              for r in range(layout.trainer_tp)]
-            self.engines = [[BenchEngine(s, w, layout.engine_tp, model=model, dtype=dtypes[1], device=where())
+            self.engines = [[make(BenchEngine, s, w, layout.engine_tp, model=model, dtype=dtypes[1])
                              for w in range(layout.engine_tp)] for s in range(layout.engines)]
             return
         import ray
@@ -244,6 +251,8 @@ class Fleet:
         self.trainers, self.engines = self.ray_fleet.trainers, self.ray_fleet.engines
 
     def close(self) -> None:
+        for p in self.processes:
+            p.close()
         if self.ray_fleet is not None:
             self.ray_fleet.shutdown()
         if self.ray_started:

@@ -22,7 +22,8 @@ from refit.control.verify import verify_checksums
 from refit.errors import PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
-from refit.runtime.endpoint import ConnectSpec, LocalWorker, WorkerDied
+from refit.runtime.endpoint import ConnectSpec
+from refit.runtime.handles import LocalWorker, WorkerDied
 
 __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]
 

@@ -15,7 +15,6 @@ Ray; ``refit.runtime.ray.RayWorker`` drives a Ray actor.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import gc
 import logging
 import os
@@ -25,7 +24,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,25 +45,13 @@ __all__ = [
     "ConnectSpec",
     "EngineEndpoint",
     "LocalShard",
-    "LocalWorker",
     "TrainerEndpoint",
-    "WorkerDied",
-    "WorkerHandle",
-    "WorkerTimeout",
     "process_resources",
 ]
 
 log = logging.getLogger(__name__)
 
 MODES = ("reshard", "broadcast")
-
-
-class WorkerDied(RefitError):
-    """The process behind a worker handle is gone."""
-
-
-class WorkerTimeout(RefitError, TimeoutError):
-    """A worker did not answer in time; it may be frozen, busy, or dead and not yet noticed."""
 
 
 # -- what an actor exposes ---------------------------------------------------------------
@@ -458,6 +445,18 @@ class _RefitEndpoint:
                 st.nixl.close()
                 st.nixl = None
 
+    def refit_abort(self) -> None:
+        """Abort this rank's communicator and NIXL transport now, from any thread (idempotent).
+
+        What a dying process does to its peers, on purpose: a rank blocked on this one is
+        released at once instead of at its deadline.
+        """
+        st = self._refit_state()
+        if st.group is not None:
+            st.group.abort()
+        if st.nixl is not None:
+            st.nixl.abort()
+
     def refit_inject_fault(self, *, peer: int | None = None, byte: int = 0) -> None:
         """Testing: corrupt one byte of the next bucket this rank sends (to ``peer``, or to anyone)."""
         self._refit_state().fault = _OneShotCorruption(peer, byte)
@@ -569,85 +568,3 @@ def process_resources() -> dict:
     except OSError:
         out.update(fds=-1, threads=threading.active_count(), listening_ports=[])
     return out
-
-
-# -- worker handles -------------------------------------------------------------------------
-
-class Pending(Protocol):
-    """A call in flight. ``result`` raises ``WorkerDied``, ``WorkerTimeout`` or the call's own error."""
-
-    def done(self) -> bool: ...
-    def result(self, timeout: float | None = None) -> Any: ...
-
-
-class WorkerHandle(Protocol):
-    """How the controller reaches one worker, whatever runs it."""
-
-    name: str
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Pending: ...
-    def is_dead(self) -> bool: ...
-
-
-class _LocalPending:
-    def __init__(self, future: cf.Future, worker: LocalWorker):
-        self.future = future
-        self.worker = worker
-
-    def done(self) -> bool:
-        return self.future.done() or self.worker.dead
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self.worker.dead:
-            raise WorkerDied(f"{self.worker.name} is dead")
-        try:
-            return self.future.result(timeout)
-        except cf.TimeoutError:
-            raise WorkerTimeout(f"{self.worker.name} did not answer within {timeout}s") from None
-
-    @staticmethod
-    def wait_any(pendings: Sequence[_LocalPending], timeout: float | None) -> list[_LocalPending]:
-        ready = [p for p in pendings if p.done()]
-        if ready:
-            return ready
-        done, _ = cf.wait([p.future for p in pendings], timeout=timeout, return_when=cf.FIRST_COMPLETED)
-        return [p for p in pendings if p.future in done or p.worker.dead]
-
-
-class LocalWorker:
-    """Drives an endpoint object in this process, on a thread of its own (calls run in order).
-
-    The data plane without Ray: tests and single-process tools put several endpoints in
-    one process, each on its own gloo rank. ``kill()`` marks the worker dead and drops its
-    communicator, which is as close to a process death as a thread can come.
-    """
-
-    def __init__(self, endpoint: _RefitEndpoint, name: str | None = None):
-        self.endpoint = endpoint
-        self.name = name or type(endpoint).__name__
-        self.dead = False
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"refit-{self.name}")
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> _LocalPending:
-        if self.dead:
-            fut: cf.Future = cf.Future()
-            fut.set_exception(WorkerDied(f"{self.name} is dead"))
-            return _LocalPending(fut, self)
-        return _LocalPending(self._pool.submit(getattr(self.endpoint, method), *args, **kwargs), self)
-
-    def is_dead(self) -> bool:
-        return self.dead
-
-    def kill(self) -> None:
-        self.dead = True
-        st = self.endpoint._refit_state()
-        if st.group is not None:
-            st.group.abort()
-        if st.nixl is not None:
-            st.nixl.abort()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def __repr__(self) -> str:
-        return f"LocalWorker({self.name}{', dead' if self.dead else ''})"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit.errors import RefitError
-from refit.runtime.endpoint import WorkerDied, WorkerTimeout
+from refit.runtime.handles import WorkerDied, WorkerTimeout
 
 __all__ = ["RayFleet", "RayWorker"]
 

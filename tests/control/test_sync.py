@@ -23,7 +23,7 @@ from refit.control import (
 from refit.control.settle import settle_before_propagating
 from refit.errors import PlanError
 from refit.membership import NoSurvivingShards
-from refit.runtime.endpoint import LocalWorker, WorkerDied
+from refit.runtime.handles import LocalWorker, WorkerDied
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, engine_placement, synthetic_shapes
 
 SYNCS = [refit.ReshardWeightSynchronizer, refit.CollectiveWeightSynchronizer]

@@ -322,7 +322,7 @@ def test_synchronizer_moves_megatron_views_into_engine_views():
     import threading
 
     import refit
-    from refit.runtime.endpoint import LocalWorker
+    from refit.runtime.handles import LocalWorker
 
     spec = moe_spec(groups=1, ratio=4, freq=2)
     par = TrainParallel(tp=2, dp=2, ep=2)

@@ -1,0 +1,231 @@
+"""Worker handles: how the controller reaches one worker, whatever runs it.
+
+The controller never calls an actor directly but through a handle (``call`` -> a pending
+result, ``is_dead``). ``LocalWorker`` drives an endpoint object on a thread of this
+process; ``ProcessWorker`` drives one in a spawned process of its own; both make the
+control plane usable without Ray. ``refit.runtime.ray.RayWorker`` drives a Ray actor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import multiprocessing as mp
+import pickle
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from refit.errors import RefitError
+
+__all__ = ["FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle", "WorkerTimeout"]
+
+
+class WorkerDied(RefitError):
+    """The process behind a worker handle is gone."""
+
+
+class WorkerTimeout(RefitError, TimeoutError):
+    """A worker did not answer in time; it may be frozen, busy, or dead and not yet noticed."""
+
+
+class Pending(Protocol):
+    """A call in flight. ``result`` raises ``WorkerDied``, ``WorkerTimeout`` or the call's own error."""
+
+    def done(self) -> bool: ...
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
+class WorkerHandle(Protocol):
+    """How the controller reaches one worker, whatever runs it."""
+
+    name: str
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Pending: ...
+    def is_dead(self) -> bool: ...
+
+
+class FuturePending:
+    """A call answered through a ``concurrent.futures.Future`` (the in-process and process handles)."""
+
+    def __init__(self, future: cf.Future, worker: LocalWorker | ProcessWorker):
+        self.future = future
+        self.worker = worker
+
+    def done(self) -> bool:
+        return self.future.done() or self.worker.dead
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.worker.dead and not self.future.done():
+            raise WorkerDied(f"{self.worker.name} is dead")
+        try:
+            return self.future.result(timeout)
+        except cf.TimeoutError:
+            raise WorkerTimeout(f"{self.worker.name} did not answer within {timeout}s") from None
+
+    @staticmethod
+    def wait_any(pendings: Sequence[FuturePending], timeout: float | None) -> list[FuturePending]:
+        ready = [p for p in pendings if p.done()]
+        if ready:
+            return ready
+        done, _ = cf.wait([p.future for p in pendings], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        return [p for p in pendings if p.future in done or p.worker.dead]
+
+
+def _failed(exc: BaseException) -> cf.Future:
+    fut: cf.Future = cf.Future()
+    fut.set_exception(exc)
+    return fut
+
+
+class LocalWorker:
+    """Drives an endpoint object in this process, on a thread of its own (calls run in order).
+
+    Tests and single-process tools put several endpoints in one process, each on its own
+    gloo rank. ``kill()`` marks the worker dead and aborts its communicator, which is as
+    close to a process death as a thread can come.
+    """
+
+    def __init__(self, endpoint: Any, name: str | None = None):
+        self.endpoint = endpoint
+        self.name = name or type(endpoint).__name__
+        self.dead = False
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"refit-{self.name}")
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
+        if self.dead:
+            return FuturePending(_failed(WorkerDied(f"{self.name} is dead")), self)
+        return FuturePending(self._pool.submit(getattr(self.endpoint, method), *args, **kwargs), self)
+
+    def is_dead(self) -> bool:
+        return self.dead
+
+    def kill(self) -> None:
+        self.dead = True
+        self.endpoint.refit_abort()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __repr__(self) -> str:
+        return f"LocalWorker({self.name}{', dead' if self.dead else ''})"
+
+
+class ProcessWorker:
+    """Drives an endpoint built by ``factory(*args, **kwargs)`` in a spawned process of its own.
+
+    Without Ray, ``LocalWorker`` puts every endpoint in one process: one CUDA context, and
+    transports that need two processes (CUDA IPC between ranks on one GPU, as NIXL uses
+    it) fall back to host copies. Here each endpoint gets its process; calls run in order,
+    one at a time, as on an actor. Requests and answers are pickled over an OS pipe to the
+    child this handle spawned, never over a socket. ``kill()`` is a real SIGKILL.
+    """
+
+    def __init__(self, factory: Callable[..., Any], *args: Any, name: str | None = None,
+                 start_timeout_s: float = 120.0, **kwargs: Any):
+        self.name = name or getattr(factory, "__name__", "worker")
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, factory, args, kwargs), daemon=True,
+                                   name=f"refit-{self.name}")
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._futures: dict[int, cf.Future] = {}
+        self._reader = threading.Thread(target=self._read, name=f"refit-{self.name}-answers", daemon=True)
+        self._reader.start()
+        try:
+            self.call("refit_ping").result(start_timeout_s)  # the endpoint is built and answers
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def dead(self) -> bool:
+        return not self.process.is_alive()
+
+    def is_dead(self) -> bool:
+        return self.dead
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            if self.dead:
+                return FuturePending(_failed(WorkerDied(f"{self.name} is dead")), self)
+            call_id = next(self._ids)
+            self._futures[call_id] = fut
+            try:
+                self._conn.send((call_id, method, args, kwargs))
+            except (OSError, ValueError) as e:
+                self._futures.pop(call_id, None)
+                return FuturePending(_failed(WorkerDied(f"{self.name}: {e}")), self)
+        return FuturePending(fut, self)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, ok, payload = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                fut = self._futures.pop(call_id, None)
+            if fut is not None:
+                fut.set_result(payload) if ok else fut.set_exception(payload)
+        with self._lock:  # the process is gone: nothing outstanding will be answered
+            pending, self._futures = self._futures, {}
+        for fut in pending.values():
+            fut.set_exception(WorkerDied(f"{self.name} died"))
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask the process to tear its endpoint down and exit; kill it if it does not."""
+        if self.process.is_alive():
+            with self._lock:
+                try:
+                    self._conn.send(None)
+                except (OSError, ValueError):
+                    pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.kill()
+        self._conn.close()
+
+    def __repr__(self) -> str:
+        return f"ProcessWorker({self.name}{', dead' if self.dead else ''})"
+
+
+def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """The child: build the endpoint, then answer ``(id, method, args, kwargs)`` in order until told to stop."""
+    endpoint = factory(*args, **kwargs)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg is None:
+                break
+            call_id, method, a, kw = msg
+            try:
+                conn.send((call_id, True, getattr(endpoint, method)(*a, **kw)))
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+                conn.send((call_id, False, _sendable(e, traceback.format_exc())))
+    finally:
+        teardown = getattr(endpoint, "refit_teardown", None)
+        if teardown is not None:
+            teardown()
+        conn.close()
+
+
+def _sendable(e: BaseException, tb: str) -> BaseException:
+    """The exception itself when it survives pickling, else a ``RefitError`` carrying its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return RefitError(f"{type(e).__name__}: {e}\n{tb}")
