@@ -28,16 +28,16 @@ GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 rc=0
 bench() {  # name, then the bench's flags
   local name=$1; shift
-  timeout -s INT -k 10 280 "$PY" -m refit.cli bench --path sync --device cuda --fleet local --json "$@" \
+  timeout -s INT -k 10 280 "$PY" -m refit.cli bench --path sync --device cuda --json "$@" \
     > "$OUT/sync_$name.json" 2> "$OUT/sync_$name.err"
   local r=$?; rc=$(( rc || r )); echo "bench $name rc=$r"; [ $r = 0 ] || tail -8 "$OUT/sync_$name.err"
 }
 if [ "$GPUS" -ge 2 ]; then
-  bench nccl-bf16                                                  # the 8B Llama shape, bf16 -> bf16
-  bench nccl-fp32-bf16 --dtype float32 --dst-dtype bfloat16        # cast while packing
+  bench nccl-bf16 --fleet local                                                # the 8B Llama shape, bf16 -> bf16
+  bench nccl-fp32-bf16 --fleet local --dtype float32 --dst-dtype bfloat16        # cast while packing
 fi
 if "$PY" -c 'from refit.transport.nixl import nixl_available as a; raise SystemExit(not a())'; then
-  bench nixl-bf16 --transport nixl
+  bench nixl-bf16 --transport nixl --fleet process   # a process per rank: CUDA IPC between ranks on one GPU
 fi
 
 # flags that a run does not read are refused by name (rc 2), before anything starts
