@@ -44,8 +44,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from refit.layout import dtype_from_name, region_numel, region_overlap_numel, shard_region
-from refit.plan import ParamIndex, RankPlan, TensorLayout, wire_dtype
+from refit.layout import region_numel, region_overlap_numel
+from refit.plan import ParamIndex, RankPlan, itemsize, wire_dtype
+from refit.plan.geometry import GeometryCache
 
 PORTS = ("nic_out", "nic_in", "nvl_out", "nvl_in")
 
@@ -208,23 +209,6 @@ class Bound:
                 "max_rank_egress_bytes": self.max_share_bytes}
 
 
-class _Regions:
-    def __init__(self):
-        self._cache: dict[tuple, tuple] = {}
-
-    def __call__(self, shape, layout: TensorLayout, rank: int):
-        coords = layout.coords(rank)
-        key = (shape, layout.mesh_shape, layout.placements, coords)
-        got = self._cache.get(key)
-        if got is None:
-            got = self._cache[key] = shard_region(shape, layout.mesh_shape, coords, layout.placements)
-        return got
-
-
-def _itemsize(src: str, dst: str) -> int:
-    return dtype_from_name(wire_dtype(src, dst)).itemsize
-
-
 def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bound:
     """The bandwidth lower bound of the layouts in ``index`` on ``topo`` (module docstring).
 
@@ -233,7 +217,7 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
     sources owe one copy per element and a node's NICs can share its ingress.
     Params sharing a shape and layouts are computed once.
     """
-    region = _Regions()
+    region = GeometryCache().region
     node = topo.node
     need = {"nic_in": defaultdict(int), "nvl_in": defaultdict(int)}
     owed: dict[frozenset, list[int]] = defaultdict(lambda: [0, 0])  # replica set -> [nic, nvl]
@@ -244,7 +228,7 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
     total_owed = 0
     for (shape, src, dsts), count in groups.items():
         src_nodes = {node(r) for r in src.mesh_ranks}
-        items = [_itemsize(src.dtype, lay.dtype) for lay in dsts]
+        items = [itemsize(wire_dtype(src.dtype, lay.dtype)) for lay in dsts]
         # what every destination rank must receive
         for g, lay in enumerate(dsts):
             for r in lay.mesh_ranks:
