@@ -36,8 +36,6 @@ from typing import Any
 
 from refit.errors import RefitError
 
-KINDS = ("col", "kv", "row", "vocab", "rep", "ecol", "erow")
-
 
 @dataclass(frozen=True)
 class ParamShape:

@@ -318,9 +318,6 @@ class EngineShard(EngineEndpoint):
             ids = torch.cat([ids, nxt.to(ids.device)], dim=1)
         return ids[:, input_ids.shape[1]:]
 
-    def fused_numel(self) -> int:
-        return sum(t.numel() for t in self.weights.values())
-
     def __repr__(self) -> str:
         ep = ", expert_parallel" if self.expert_parallel else ""
         return (f"EngineShard({self.spec.name}, tp={self.tp}, rank={self.rank}, qkv={self.qkv}{ep}, "

@@ -29,9 +29,6 @@ class WorkerError(RefitError):
                  for r, (etype, tb) in sorted(failures.items())]
         super().__init__("; ".join(lines))
 
-    def first_traceback(self) -> str:
-        return next(iter(sorted(self.failures.items())))[1][1]
-
 
 def serve_requests(conn, call: Callable[[Callable[..., Any], tuple, dict], Any]) -> None:
     """A worker's loop: answer each ``(fn, args, kwargs)`` from ``conn`` with ``call(fn, args, kwargs)``.
@@ -84,10 +81,6 @@ class LocalFleet:
             self._conns.append(parent)
             self._procs.append(p)
         self.run(_ready, timeout_s=start_timeout_s)
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
 
     def run(self, fn: Callable[..., Any], *args, timeout_s: float = 120.0, **kwargs) -> list[Any]:
         """Run ``fn(group, *args, **kwargs)`` on every rank; return the results by rank."""
