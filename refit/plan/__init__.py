@@ -1,7 +1,8 @@
 """Pure planning: rosters, the merged parameter index and each rank's own transfer plan.
 
 roster (entries, layouts, the merged index and its checks) < buckets (ops, packing)
-< geometry < templates (one form's plan per rank position) < forms < rank_plan < cache.
+< geometry < templates (one form's plan per rank position) < forms < rank_plan (and the plans cached per
+rank, keyed so that a grown fleet never reuses a plan made for the old one).
 """
 
 from refit.plan.buckets import (
@@ -16,10 +17,9 @@ from refit.plan.buckets import (
     task_id,
     wire_dtype,
 )
-from refit.plan.cache import PlanCache
 from refit.plan.forms import reset_planner_cache
 from refit.plan.geometry import LayoutGeometry
-from refit.plan.rank_plan import DEFAULT_STRIPE_BYTES, RankPlan, build_rank_plan, plan_key
+from refit.plan.rank_plan import DEFAULT_STRIPE_BYTES, PlanCache, RankPlan, build_rank_plan, plan_key
 from refit.plan.roster import (
     ParamIndex,
     ParamSpec,
