@@ -275,7 +275,7 @@ def _start_ray(ray, args) -> str | None:
     return "timeout" if thread.is_alive() else outcome.get("error")
 
 
-def _gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
+def gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
     """What ``--device cuda`` lacks on a cluster of ``have`` GPUs, in one line; None when it fits."""
     trainer = args.trainer_dp * args.trainer_tp
     if args.nixl:  # ranks share GPUs; only the trainer's and each shard's own NCCL groups need distinct ones
@@ -358,7 +358,7 @@ def run(args) -> int:
     from refit.errors import RefitError
 
     gpus = int(ray.cluster_resources().get("GPU", 0)) if args.device == "cuda" else 0
-    short = _gpu_shortfall(args, sizes, gpus) if args.device == "cuda" else None
+    short = gpu_shortfall(args, sizes, gpus) if args.device == "cuda" else None
     if short:
         if started:
             ray.shutdown()

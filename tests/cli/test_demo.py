@@ -78,14 +78,14 @@ def test_refit_demo_says_clearly_when_a_port_answers_but_is_no_ray_head():
 def test_gpu_shortfall_counts_one_gpu_per_rank_over_nccl_and_the_largest_nccl_group_over_nixl():
     import argparse
 
-    from refit.cli.demo import _gpu_shortfall, add_arguments, engine_sizes
+    from refit.cli.demo import add_arguments, engine_sizes, gpu_shortfall
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
 
     def short(argv, have):
         args = parser.parse_args(["--device", "cuda", *argv])
-        return _gpu_shortfall(args, engine_sizes(args), have)
+        return gpu_shortfall(args, engine_sizes(args), have)
 
     assert "needs 9 GPUs" in short([], 8) and "the Ray cluster has 8" in short([], 8)
     assert short([], 9) is None
