@@ -669,6 +669,7 @@ class NixlTransport:
         awaiting = {p: set(range(len(pair.slots))) for p, pair in self._recvs.items()
                     if pair.slots and p not in failed}
         temps: list[int] = []
+        unsummed: list[tuple[tuple[int, int], torch.Tensor]] = []  # direct sends, summed once all are posted
         last_probe = time.monotonic()
         idle = 0
 
@@ -698,7 +699,7 @@ class NixlTransport:
                         progress += 1
                 if to_pack:
                     pair, chunk = to_pack.pop(0)
-                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, ledger, corrupt, temps)))
+                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, ledger, corrupt, temps, unsummed)))
                     progress += 1
                 for item in list(queued):
                     pair, chunk, event = item
@@ -757,6 +758,8 @@ class NixlTransport:
                             fail(peer, e.why)
                 idle += 1
                 time.sleep(min(1e-3, 2e-6 * (1 << min(idle, 10))))
+            for key, buf in unsummed:
+                ledger.sent(key, buf)
             if cuda:
                 torch.cuda.current_stream(self.device).synchronize()
         finally:
@@ -805,7 +808,8 @@ class NixlTransport:
                 f"{sorted(set(moved))[:8]} are not where they were registered; prepare() with the new tensors, then "
                 "relay local_roster_entry() with update_membership()")
 
-    def _pack_chunk(self, pair: _Pair, chunk: _Chunk, src, ledger: ChecksumLedger | None, corrupt, temps):
+    def _pack_chunk(self, pair: _Pair, chunk: _Chunk, src, ledger: ChecksumLedger | None, corrupt, temps,
+                    unsummed: list):
         for s in pair.slots[chunk.lo: chunk.hi]:
             b = s.bucket
             if not b.nbytes:
@@ -817,8 +821,8 @@ class NixlTransport:
                 if buf is None:
                     raise PlanError(f"rank {self.rank}: {b.ops[0].name} is no longer contiguous in "
                                     f"{b.ops[0].wire_dtype}; prepare() again with the new tensors")
-                if ledger is not None:
-                    ledger.sent((b.peer, b.index), buf)
+                if ledger is not None:  # the WRITE reads the tensor itself: it does not wait for the sum
+                    unsummed.append(((b.peer, b.index), buf))
             if corrupt is not None:
                 if s.staging is None:  # never corrupt the caller's tensor: write from a copy instead
                     buf = buf.clone()

@@ -452,16 +452,19 @@ class StreamedExecutor(Executor):
                     stats.bytes_sent += b.nbytes
                     stats.buckets_sent += 1
                 per_round.append((r, recv_ops, send_ops))
-            if staged_sends or (ledger is not None and direct_sends):
+            if staged_sends:
                 with lanes.on("pack"):
                     for b, view in staged_sends:
                         pack_bucket(b, src, view, ledger=ledger, key=(b.peer, b.index))
                         if corrupt is not None:
                             corrupt(b.peer, b.index, view)
-                    if ledger is not None:
-                        for b, view in direct_sends:
-                            ledger.sent((b.peer, b.index), view)
                 lanes.wait("comm", lanes.record("pack"))
+            if ledger is not None and direct_sends:
+                # blocks sent from the tensors themselves: summed beside the wire, not ahead of it
+                # (the group never waits for them; nothing writes the sources during a refit)
+                with lanes.on("unpack"):
+                    for b, view in direct_sends:
+                        ledger.sent((b.peer, b.index), view)
             works: list[Any] = []
             if stats.groups == 0:
                 if marks:
@@ -499,7 +502,8 @@ class StreamedExecutor(Executor):
             marks["last_group"].record(lanes.comm_s)
             stats.timing["events"] = marks
         stats.timing["enqueue_s"] = time.perf_counter() - t0
-        local_fence = lanes.record("unpack") if self.plan.local else None
+        # the unpack lane also carries local copies and checksums of direct sends: the caller waits for it
+        local_fence = lanes.record("unpack") if (self.plan.local or ledger is not None) else None
         finals = host_fences + [f for f in (last_comm, last_unpack, local_fence) if f is not None]
         lanes.join(finals)
         stats.peak_staging_bytes = arena.peak if arena is not None else 0
