@@ -7,6 +7,7 @@ here once, so two transports can never disagree about the wire format of one pla
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from types import EllipsisType
@@ -229,19 +230,30 @@ class ChecksumLedger:
         self.summer(key, buf, buf.numel(), sent=False).upto(buf.numel())
 
     def settle(self) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
-        """Every checksum as host ints: (sent, received), each keyed (peer, bucket index)."""
-        entries = [(k, s.value()) for k, s in self._sent + self._received]
-        if not entries:
-            return {}, {}
+        """Every checksum as host ints: (sent, received), each keyed (peer, bucket index).
+
+        The weighting of every bucket's rows runs here, for all buckets of a device at
+        once, and the values are read with one synchronisation: a few kernels per refit
+        instead of a few per bucket (a refit of an 8B model has hundreds of buckets, and
+        launching their kernels one by one cost more than summing the bytes).
+        """
+        summers = [s for _, s in self._sent + self._received]
+        values: list[int] = [0] * len(summers)
         by_device: dict[torch.device, list[int]] = {}
-        for i, (_, value) in enumerate(entries):
-            by_device.setdefault(value.device, []).append(i)
-        values: list[int] = [0] * len(entries)
-        for idx in by_device.values():
-            host = torch.stack([entries[i][1] for i in idx]).tolist()
-            for i, v in zip(idx, host):
+        for i, summer in enumerate(summers):
+            by_device.setdefault(summer.sums.device, []).append(i)
+        for device, idx in by_device.items():
+            rows = [summers[i].sums.numel() for i in idx]
+            sums = torch.cat([summers[i].sums for i in idx])
+            bucket = torch.repeat_interleave(torch.arange(len(idx), device=device),
+                                             torch.tensor(rows, device=device), output_size=sums.numel())
+            ends = torch.tensor(list(itertools.accumulate(rows)), dtype=torch.int64, device=device)
+            weights = 2 * (ends[bucket] - torch.arange(sums.numel(), device=device)) + 1  # 2 (R - i) + 1
+            totals = torch.tensor([summers[i].nbytes for i in idx], dtype=torch.int64, device=device)
+            totals.index_add_(0, bucket, sums * weights)
+            for i, v in zip(idx, totals.tolist()):
                 values[i] = v
-        keys = [k for k, _ in entries]
+        keys = [k for k, _ in self._sent + self._received]
         split = len(self._sent)
         return dict(zip(keys[:split], values[:split])), dict(zip(keys[split:], values[split:]))
 
