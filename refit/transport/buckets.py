@@ -215,6 +215,7 @@ class ChecksumLedger:
     def __init__(self) -> None:
         self._sent: list[tuple[tuple[int, int], _Summer]] = []
         self._received: list[tuple[tuple[int, int], _Summer]] = []
+        self._sent_views: dict[tuple[torch.device, int, int], _Summer] = {}
 
     def summer(self, key: tuple[int, int], buf: torch.Tensor, nbytes: int, *, sent: bool) -> _Summer:
         s = _Summer(buf, nbytes, pieces=buf.device.type == "cpu")
@@ -222,8 +223,17 @@ class ChecksumLedger:
         return s
 
     def sent(self, key: tuple[int, int], buf: torch.Tensor) -> None:
-        """The checksum of a whole send buffer (a block sent from the tensor itself)."""
-        self.summer(key, buf, buf.numel(), sent=True).upto(buf.numel())
+        """The checksum of a whole send buffer (a block sent from the tensor itself).
+
+        A block sent to several peers (every engine replica needs the same shard) is summed
+        once: the sources do not change during a refit.
+        """
+        view = (buf.device, buf.data_ptr(), buf.numel())
+        summer = self._sent_views.get(view)
+        if summer is None:
+            summer = self._sent_views[view] = _Summer(buf, buf.numel(), pieces=False)
+            summer.upto(buf.numel())
+        self._sent.append((key, summer))
 
     def received(self, key: tuple[int, int], buf: torch.Tensor) -> None:
         """The checksum of a whole receive buffer (a block received into the tensor itself)."""
@@ -237,7 +247,8 @@ class ChecksumLedger:
         instead of a few per bucket (a refit of an 8B model has hundreds of buckets, and
         launching their kernels one by one cost more than summing the bytes).
         """
-        summers = [s for _, s in self._sent + self._received]
+        entries = self._sent + self._received
+        summers = list({id(s): s for _, s in entries}.values())  # a block sent to several peers: summed once
         values: list[int] = [0] * len(summers)
         by_device: dict[torch.device, list[int]] = {}
         for i, summer in enumerate(summers):
@@ -253,9 +264,9 @@ class ChecksumLedger:
             totals.index_add_(0, bucket, sums * weights)
             for i, v in zip(idx, totals.tolist()):
                 values[i] = v
-        keys = [k for k, _ in self._sent + self._received]
-        split = len(self._sent)
-        return dict(zip(keys[:split], values[:split])), dict(zip(keys[split:], values[split:]))
+        value_of = {id(s): v for s, v in zip(summers, values)}
+        sent = {k: value_of[id(s)] for k, s in self._sent}
+        return sent, {k: value_of[id(s)] for k, s in self._received}
 
 
 _POOL_GRAIN = 1 << 20  # staging capacities are rounded up to this, so odd sizes share buffers
