@@ -227,7 +227,8 @@ class Fleet:
                 kwargs.update(device=f"cuda:{next(rank) % gpus}" if device == "cuda" else "cpu")
                 if kind == "local":
                     return cls(*args, **kwargs)
-                self.processes.append(ProcessWorker(cls, *args, name=f"{cls.__name__} {args}", **kwargs))
+                # one intra-op thread per rank process, as for the Ray actors: ranks already share the cores
+                self.processes.append(ProcessWorker(cls, *args, name=f"{cls.__name__} {args}", threads=1, **kwargs))
                 return self.processes[-1]
 
             self.trainers = [make(BenchTrainer, r, layout.trainer_tp, model=model, dtype=dtypes[0])
