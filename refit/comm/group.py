@@ -53,7 +53,7 @@ class _VllmNcclUniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * 128)]
 
 
-def _pickle_vllm_unique_id(unique_id_bytes: bytes) -> bytes:
+def pickle_vllm_unique_id(unique_id_bytes: bytes) -> bytes:
     """Serialize an NCCL unique id in vLLM's metadata wire format.
 
     A vLLM rank reads the id with ``pickle.loads`` of its own ``ncclUniqueId`` ctypes
@@ -235,7 +235,7 @@ class StatelessProcessGroup:
             uid = lib.unique_id()
             self.store.set(_NEMO_UNIQUE_ID_KEY, uid)
             if peer == "vllm":
-                self.store.set(_VLLM_UNIQUE_ID_KEY, _pickle_vllm_unique_id(uid))
+                self.store.set(_VLLM_UNIQUE_ID_KEY, pickle_vllm_unique_id(uid))
         else:
             self._wait_keys([_NEMO_UNIQUE_ID_KEY], deadline, limit, "rank 0 never published the NCCL unique id")
             uid = self.store.get(_NEMO_UNIQUE_ID_KEY)
@@ -662,5 +662,5 @@ def ranks_in_group(comm: Communicator, ranks: Sequence[int], *, param: str) -> N
 
 __all__ = [
     "PEERS", "Communicator", "GroupAborted", "StatelessProcessGroup", "TorchGroupComm", "as_communicator",
-    "free_port", "ranks_in_group",
+    "free_port", "pickle_vllm_unique_id", "ranks_in_group",
 ]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import comm_jobs
 
-from refit.comm.group import StatelessProcessGroup, _pickle_vllm_unique_id, free_port
+from refit.comm.group import StatelessProcessGroup, free_port, pickle_vllm_unique_id
 from refit.errors import RefitError
 
 WORLD = FLEET_SIZE = 4
@@ -67,7 +67,7 @@ def test_bad_arguments():
 
 def test_vllm_unique_id_wire_format(monkeypatch):
     raw = bytes(range(128))
-    blob = _pickle_vllm_unique_id(raw)
+    blob = pickle_vllm_unique_id(raw)
     assert not any(m.startswith("vllm") for m in sys.modules), "fake modules are removed again"
     # unpickle the way a vLLM rank does: with vLLM's own ctypes type under its module name
     import ctypes
@@ -85,6 +85,6 @@ def test_vllm_unique_id_wire_format(monkeypatch):
     sys.modules[name].ncclUniqueId = ncclUniqueId
     uid = pickle.loads(blob)
     assert type(uid) is ncclUniqueId and bytes(uid.internal) == raw
-    assert _pickle_vllm_unique_id(raw) == blob, "with vLLM loaded, its own type gives the same bytes"
+    assert pickle_vllm_unique_id(raw) == blob, "with vLLM loaded, its own type gives the same bytes"
     with pytest.raises(RefitError, match="128 bytes"):
-        _pickle_vllm_unique_id(b"short")
+        pickle_vllm_unique_id(b"short")

@@ -20,7 +20,7 @@ def meshes(draw, ranks: list[int], max_ndim: int = 3):
     ndim = draw(st.integers(1, max_ndim))
     dims = []
     left = n
-    for i in range(ndim - 1):
+    for _dim in range(ndim - 1):
         divisors = [d for d in range(1, left + 1) if left % d == 0]
         d = draw(st.sampled_from(divisors))
         dims.append(d)

@@ -67,7 +67,7 @@ def torch_dtensor_strided(group):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard  # noqa: PLC2701 (torch: no public name)
 
     mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
     placements = [_StridedShard(0, split_factor=2), Shard(0)]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Replicate as TorchReplicate
 from torch.distributed.tensor.placement_types import Shard as TorchShard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: PLC2701 (no public name for FSDP2's)
 
 from refit import DTensorRef, LayoutError, Replicate, Shard, shard_slices
 from refit.layout import (

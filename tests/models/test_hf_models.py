@@ -147,7 +147,7 @@ def test_fused_layout_is_vllm_order_and_views_write_in_place(tp, kv):
         dst = eng.destinations(offset=10)
         assert set(dst) == {p.name for p in s.params()}
         storages = {t.untyped_storage().data_ptr() for t in eng.weights.values()}
-        for name, (ref, mesh, placements) in dst.items():
+        for name, (ref, mesh, _placements) in dst.items():
             assert ref._local_tensor.untyped_storage().data_ptr() in storages, f"{name} is not a view"
             assert mesh_coords_of(np.asarray(mesh), 10 + rank) is not None
         eng.load_canonical(state)
@@ -217,9 +217,9 @@ def test_select_and_narrow_entry():
 
 def test_dtensor_entries_lift_submeshes_and_split_fused_experts():
     root = fake_mesh([[0, 1], [2, 3]], ("dp", "tp"))
-    E, I, H = 4, 8, 6
-    gate_up = torch.randn(E, 2 * I, H)
-    down = torch.randn(E, H, I)
+    E, F, H = 4, 8, 6  # experts, ffn (intermediate) size, hidden size
+    gate_up = torch.randn(E, 2 * F, H)
+    down = torch.randn(E, H, F)
     norm = torch.randn(H)
     q = torch.randn(16, H)
     for rank in range(4):
@@ -244,7 +244,7 @@ def test_dtensor_entries_lift_submeshes_and_split_fused_experts():
         assert experts == [2 * dp, 2 * dp + 1], "a rank lists only the experts it holds"
         for e in experts:
             x = f"model.layers.0.mlp.experts.{e}"
-            for part, want in (("gate_proj", gate_up[e, :I]), ("up_proj", gate_up[e, I:]), ("down_proj", down[e])):
+            for part, want in (("gate_proj", gate_up[e, :F]), ("up_proj", gate_up[e, F:]), ("down_proj", down[e])):
                 ref, m, pl = out[f"{x}.{part}.weight"]
                 assert torch.equal(ref._local_tensor, want) and tuple(ref.shape) == tuple(want.shape)
                 assert m.tolist() == [5 + 2 * dp, 6 + 2 * dp] and pl == (Replicate(),)

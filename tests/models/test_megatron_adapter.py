@@ -351,7 +351,8 @@ def test_synchronizer_moves_megatron_views_into_engine_views():
             ref = want.forward(ids)
             for shard in shards:
                 out = [None, None]
-                threads = [threading.Thread(target=lambda r: out.__setitem__(r, shard[r].forward(ids)), args=(r,))
+                threads = [threading.Thread(target=lambda o, s, r: o.__setitem__(r, s.forward(ids)),
+                                            args=(out, shard[r], r))
                            for r in range(2)]
                 for t in threads:
                     t.start()

@@ -43,73 +43,83 @@ def reference_ops(index, rank: int, bucket_bytes: int) -> list[tuple]:
     """Every op of ``rank`` as (task id, name, src, dst, box, wire dtype, direct), computed
     param by param from the planner's documented rule (replica byte windows along the
     consumer order, with the per-param rotation)."""
+    out = []
+    for name in index.by_rank.get(rank, ()):
+        out += _reference_param_ops(index, name, rank, bucket_bytes)
+    return out
+
+
+def _reference_param_ops(index, name: str, rank: int, bucket_bytes: int) -> list[tuple]:
+    """The ops of ``rank`` for the one param ``name``; its own function so every helper below
+    closes over this param's values, never over a loop variable that moves on."""
     import hashlib
 
     out = []
-    for name in index.by_rank.get(rank, ()):
-        spec = index.specs[name]
-        shape, src, dsts = spec.shape, spec.src, spec.dsts
-        geo_src = LayoutGeometry(shape, src)
-        rot_of = lambda k: int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") % k
+    spec = index.specs[name]
+    shape, src, dsts = spec.shape, spec.src, spec.dsts
+    geo_src = LayoutGeometry(shape, src)
 
-        def wsize(g):
-            return _itemsize(wire_dtype(src.dtype, dsts[g].dtype))
+    def rot_of(k):
+        return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") % k
 
-        def consumers(g, sreg, reps):
-            geo = LayoutGeometry(shape, dsts[g])
-            rs = sorted((r for k in geo.overlapping_keys(sreg) for r in dsts[g].replicas(k) if r not in reps),
-                        key=dsts[g].flat_index)
-            return [(r, region_overlap_numel(sreg, dsts[g].region(shape, r)) * wsize(g)) for r in rs]
+    def wsize(g):
+        return _itemsize(wire_dtype(src.dtype, dsts[g].dtype))
 
-        def group_bytes(g, sreg, reps):
-            n = region_numel(sreg) * dsts[g].replication
-            n -= sum(region_overlap_numel(sreg, dsts[g].region(shape, r)) for r in reps if dsts[g].coords(r))
-            return n * wsize(g)
+    def consumers(g, sreg, reps):
+        geo = LayoutGeometry(shape, dsts[g])
+        rs = sorted((r for k in geo.overlapping_keys(sreg) for r in dsts[g].replicas(k) if r not in reps),
+                    key=dsts[g].flat_index)
+        return [(r, region_overlap_numel(sreg, dsts[g].region(shape, r)) * wsize(g)) for r in rs]
 
-        def ops(s, d, g, sreg, dreg):
-            wire = wire_dtype(src.dtype, dsts[g].dtype)
-            res = []
-            for box in intersect_regions(sreg, dreg):
-                for p in split_box(box, _itemsize(wire), bucket_bytes):
-                    direct = (src.dtype == wire == dsts[g].dtype and contiguous(p.shape, region_shape(sreg))
-                              and contiguous(p.shape, region_shape(dreg)))
-                    res.append((task_id(name, d, p.start, p.shape), name, s, d, p, wire, direct))
-            return res
+    def group_bytes(g, sreg, reps):
+        n = region_numel(sreg) * dsts[g].replication
+        n -= sum(region_overlap_numel(sreg, dsts[g].region(shape, r)) for r in reps if dsts[g].coords(r))
+        return n * wsize(g)
 
-        def window(off, total, k):
-            return ((off * k) // total + rot_of(k)) % k
+    def ops(s, d, g, sreg, dreg):
+        wire = wire_dtype(src.dtype, dsts[g].dtype)
+        res = []
+        for box in intersect_regions(sreg, dreg):
+            for p in split_box(box, _itemsize(wire), bucket_bytes):
+                direct = (src.dtype == wire == dsts[g].dtype and contiguous(p.shape, region_shape(sreg))
+                          and contiguous(p.shape, region_shape(dreg)))
+                res.append((task_id(name, d, p.start, p.shape), name, s, d, p, wire, direct))
+        return res
 
-        if src.coords(rank) is not None:
-            key = src.shard_key(rank)
+    def window(off, total, k):
+        return ((off * k) // total + rot_of(k)) % k
+
+    if src.coords(rank) is not None:
+        key = src.shard_key(rank)
+        reps = src.replicas(key)
+        sreg = src.region(shape, reps[0])
+        gbs = [group_bytes(g, sreg, set(reps)) for g in range(len(dsts))]
+        total, base = sum(gbs), 0
+        for g in range(len(dsts)):
+            if dsts[g].coords(rank) is not None:
+                out += ops(rank, rank, g, sreg, dsts[g].region(shape, rank))
+            off = base
+            for r, n in (consumers(g, sreg, set(reps)) if gbs[g] else []):
+                if n and window(off, total, len(reps)) == reps.index(rank):
+                    out += ops(rank, r, g, sreg, dsts[g].region(shape, r))
+                off += n
+            base += gbs[g]
+    for g, lay in enumerate(dsts):
+        if lay.coords(rank) is None:
+            continue
+        mine = lay.region(shape, rank)
+        for key in geo_src.overlapping_keys(mine):
             reps = src.replicas(key)
-            sreg = src.region(shape, reps[0])
-            gbs = [group_bytes(g, sreg, set(reps)) for g in range(len(dsts))]
-            total, base = sum(gbs), 0
-            for g in range(len(dsts)):
-                if dsts[g].coords(rank) is not None:
-                    out += ops(rank, rank, g, sreg, dsts[g].region(shape, rank))
-                off = base
-                for r, n in (consumers(g, sreg, set(reps)) if gbs[g] else []):
-                    if n and window(off, total, len(reps)) == reps.index(rank):
-                        out += ops(rank, r, g, sreg, dsts[g].region(shape, r))
-                    off += n
-                base += gbs[g]
-        for g, lay in enumerate(dsts):
-            if lay.coords(rank) is None:
+            if rank in reps:
                 continue
-            mine = lay.region(shape, rank)
-            for key in geo_src.overlapping_keys(mine):
-                reps = src.replicas(key)
-                if rank in reps:
-                    continue
-                sreg = src.region(shape, reps[0])
-                gbs = [group_bytes(h, sreg, set(reps)) for h in range(len(dsts))]
-                off = sum(gbs[:g])
-                for r, n in consumers(g, sreg, set(reps)):
-                    if r == rank:
-                        break
-                    off += n
-                out += ops(reps[window(off, sum(gbs), len(reps))], rank, g, sreg, mine)
+            sreg = src.region(shape, reps[0])
+            gbs = [group_bytes(h, sreg, set(reps)) for h in range(len(dsts))]
+            off = sum(gbs[:g])
+            for r, n in consumers(g, sreg, set(reps)):
+                if r == rank:
+                    break
+                off += n
+            out += ops(reps[window(off, sum(gbs), len(reps))], rank, g, sreg, mine)
     return out
 
 
@@ -147,7 +157,7 @@ def kimi():
     out = {}
     for n in (128, 512):
         index = build_index(model, train, parse_engine("tp=8,ep=128", world=n))
-        index.digest  # part of merging, done once per membership
+        _ = index.digest  # part of merging, done once per membership
         out[n] = index
     return out
 
@@ -155,13 +165,13 @@ def kimi():
 def _cold(index, rank: int, repeats: int = 3):
     """Fastest of ``repeats`` builds of one rank's plan, the index's caches dropped before each.
     CPU time, which is the wall time on an idle core and does not count other processes."""
-    best, stats, plan = None, None, None
+    best, stats, _plan = None, None, None
     for _ in range(repeats):
         reset_planner_cache(index)
-        plan = None  # freeing the last plan is not part of building this one
+        _plan = None  # freeing the last plan is not part of building this one
         stats = PlanStats()
         t0 = time.process_time()
-        plan = build_rank_plan(index, rank, stats=stats)
+        _plan = build_rank_plan(index, rank, stats=stats)  # held until the next build, so freeing it is not timed
         dt = time.process_time() - t0
         best = dt if best is None else min(best, dt)
     return best, stats
