@@ -26,13 +26,14 @@ So ``simulated time = sum over phases of (max over ranks and ports of bytes / ba
 The lower bound (``lower_bound``) is computed from the rosters alone, never from a plan:
 it is the largest of what any plan must spend on one port, namely
 
-* a destination rank must receive every element of its shards that it does not hold:
-  those bytes over its NIC (or over NVLink when a source rank of the param sits on its
-  node);
+* a destination rank must receive every element of its shards that it does not hold: over its
+  NIC what only other nodes hold, over NVLink what only its node holds, over either what both hold
+  (a plan may take a copy from the far node over the NIC while NVLink is busy), so the longest of
+  NIC-only / NIC, NVLink-only / NVLink and all / (NIC + NVLink);
 * sources must send what destinations need: one copy per destination rank for
   point-to-point delivery, one copy per element when destinations may relay (fan-out).
   The bytes owed by shards whose holders all lie inside a set ``U`` of ranks must leave
-  through ``U``'s ports, so ``max over replica sets U of owed(U) / |U| / bandwidth``;
+  through ``U``'s ports, so ``max over replica sets U of owed(U) / |U| / bandwidth``, split so too;
 * with relaying inside nodes, a node's NICs together bring in every element its ranks
   need and do not hold: distinct bytes / (GPUs of the node x NIC); and a rank takes in
   what it needs over its NIC and NVLink together.
@@ -49,6 +50,18 @@ from refit.plan import ParamIndex, RankPlan, itemsize, wire_dtype
 from refit.plan.geometry import GeometryCache
 
 PORTS = ("nic_out", "nic_in", "nvl_out", "nvl_in")
+NIC, NVL, EITHER = 0, 1, 2  # which of a rank's links some bytes can take
+
+
+def link_between(holder_nodes: set[int], node: int) -> int:
+    """The links a rank on ``node`` can get bytes over from holders on ``holder_nodes``."""
+    return NIC if node not in holder_nodes else NVL if len(holder_nodes) == 1 else EITHER
+
+
+def fastest_split(by_link: Sequence[float], nic_bw: float, nvl_bw: float) -> tuple[float, str]:
+    """Least seconds for bytes ``[NIC-only, NVLink-only, either]`` over a NIC and an NVLink at once; what limits it."""
+    return max((by_link[NIC] / nic_bw, "NIC"), (by_link[NVL] / nvl_bw, "NVLink"),
+               (sum(by_link) / (nic_bw + nvl_bw), "NVLink and NIC"))
 
 
 @dataclass(frozen=True)
@@ -219,8 +232,8 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
     """
     region = GeometryCache().region
     node = topo.node
-    need = {"nic_in": defaultdict(int), "nvl_in": defaultdict(int)}
-    owed: dict[frozenset, list[int]] = defaultdict(lambda: [0, 0])  # replica set -> [nic, nvl]
+    need: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # destination rank -> bytes by link
+    owed: dict[frozenset, list[int]] = defaultdict(lambda: [0, 0, 0])  # replica set -> bytes by link
     node_need: dict[int, int] = defaultdict(int)
     groups: dict[tuple, int] = defaultdict(int)
     for spec in index.specs.values():
@@ -229,15 +242,24 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
     for (shape, src, dsts), count in groups.items():
         src_nodes = {node(r) for r in src.mesh_ranks}
         items = [itemsize(wire_dtype(src.dtype, lay.dtype)) for lay in dsts]
-        # what every destination rank must receive
+        shards = {}  # source shard key -> (its holders, their nodes, its region)
+        for r0 in src.mesh_ranks:
+            key = src.shard_key(r0)
+            if key not in shards:
+                reps = src.replicas(key)
+                shards[key] = (reps, {node(r) for r in reps}, region(shape, src, reps[0]))
+        # what every destination rank must receive, and over which of its links
         for g, lay in enumerate(dsts):
             for r in lay.mesh_ranks:
                 reg = region(shape, lay, r)
-                n = region_numel(reg)
-                if src.coords(r) is not None:
-                    n -= region_overlap_numel(reg, region(shape, src, r))
-                if n:
-                    need["nvl_in" if node(r) in src_nodes else "nic_in"][r] += n * items[g] * count
+                if node(r) not in src_nodes:  # no holder on its node: all over its NIC
+                    received = [(NIC, region_numel(reg))]
+                else:
+                    received = [(link_between(rep_nodes, node(r)), region_overlap_numel(reg, sreg))
+                                for reps, rep_nodes, sreg in shards.values() if r not in reps]
+                for link, n in received:
+                    if n:
+                        need[r][link] += n * items[g] * count
         if relay:
             # a node's NICs bring in, once, each element its ranks need (one layout's distinct shards)
             per_node: dict[int, list[int]] = defaultdict(lambda layouts=dsts: [0] * len(layouts))
@@ -254,40 +276,28 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
             for n_, per_g in per_node.items():
                 node_need[n_] += max(per_g) * count
         # what the holders of every source shard owe
-        done = set()
         dst_ranks = [(g, r) for g, lay in enumerate(dsts) for r in lay.mesh_ranks]
-        for r0 in src.mesh_ranks:
-            key = src.shard_key(r0)
-            if key in done:
-                continue
-            done.add(key)
-            reps = src.replicas(key)
-            rep_set = set(reps)
-            rep_nodes = {node(r) for r in reps}
-            sreg = region(shape, src, reps[0])
-            numel = region_numel(sreg)
-            by_layout = [[0, 0] for _ in dsts]  # per layout: [nic, nvl] bytes needed by non-holders
-            if any(node(r) in rep_nodes or r in rep_set for _, r in dst_ranks):
+        for reps, rep_nodes, sreg in shards.values():
+            by_layout = [[0, 0, 0] for _ in dsts]  # per layout: bytes by link needed by non-holders
+            if any(node(r) in rep_nodes for _, r in dst_ranks):
                 for g, r in dst_ranks:
-                    if r in rep_set:
-                        continue
-                    n = region_overlap_numel(sreg, region(shape, dsts[g], r)) * items[g]
-                    by_layout[g][1 if node(r) in rep_nodes else 0] += n
+                    if r not in reps:
+                        n = region_overlap_numel(sreg, region(shape, dsts[g], r)) * items[g]
+                        by_layout[g][link_between(rep_nodes, node(r))] += n
             else:  # disaggregated: every layout needs the whole shard, replication times, over NICs
                 for g, lay in enumerate(dsts):
-                    by_layout[g][0] = numel * lay.replication * items[g]
+                    by_layout[g][NIC] = region_numel(sreg) * lay.replication * items[g]
             if relay:  # one copy of each element: a layout's bytes over its replication
                 pick = max(range(len(dsts)), key=lambda g: sum(by_layout[g]) / dsts[g].replication, default=None)
                 if pick is None:
                     continue
-                rep = dsts[pick].replication
-                nic, nvl = -(-by_layout[pick][0] // rep), -(-by_layout[pick][1] // rep)
+                by_link = [-(-b // dsts[pick].replication) for b in by_layout[pick]]
             else:
-                nic, nvl = sum(b[0] for b in by_layout), sum(b[1] for b in by_layout)
+                by_link = [sum(b[link] for b in by_layout) for link in (NIC, NVL, EITHER)]
             slot = owed[frozenset(reps)]
-            slot[0] += nic * count
-            slot[1] += nvl * count
-            total_owed += (nic + nvl) * count
+            for link, b in enumerate(by_link):
+                slot[link] += b * count
+            total_owed += sum(by_link) * count
     parts: dict[str, float] = {}
     binding_of: dict[str, str] = {}
 
@@ -296,14 +306,11 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
             parts[part] = seconds
             binding_of[part] = what
 
-    for port, per_rank in need.items():
-        for r, b in per_rank.items():
-            if relay:  # relayed bytes may arrive over both of a rank's links at once
-                total = need["nic_in"].get(r, 0) + need["nvl_in"].get(r, 0)
-                consider("ingress", total / (topo.bandwidth("nvl_in") + topo.bandwidth("nic_in")),
-                         f"rank {r} receives over NVLink and NIC")
-            else:
-                consider("ingress", b / topo.bandwidth(port), f"rank {r} {port}")
+    nic_in, nvl_in = topo.bandwidth("nic_in"), topo.bandwidth("nvl_in")
+    for r, by_link in need.items():
+        # relayed bytes may come from any rank, so over either link
+        seconds, links = fastest_split([0, 0, sum(by_link)] if relay else by_link, nic_in, nvl_in)
+        consider("ingress", seconds, f"rank {r} receives over {links}")
     if relay:
         gpus: dict[int, int] = defaultdict(int)
         for r in range(index.world_size):
@@ -313,23 +320,16 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
     sets = list(owed)
     max_share = 0
     for u in sets:
-        tot = [0, 0]
-        for v in sets:
-            if v <= u:
-                tot[0] += owed[v][0]
-                tot[1] += owed[v][1]
+        tot = [sum(owed[v][link] for v in sets if v <= u) for link in (NIC, NVL, EITHER)]
         size = len(u)
-        max_share = max(max_share, -(-(tot[0] + tot[1]) // size))
+        max_share = max(max_share, -(-sum(tot) // size))
         who = f"ranks {sorted(u)}" if size <= 4 else f"{size} ranks {min(u)}..{max(u)}"
-        consider("egress", max(tot[0] / size / topo.bandwidth("nic_out"), tot[1] / size / topo.bandwidth("nvl_out")),
-                 f"{who} send what only they hold")
+        seconds, _ = fastest_split([b / size for b in tot], topo.bandwidth("nic_out"), topo.bandwidth("nvl_out"))
+        consider("egress", seconds, f"{who} send what only they hold")
     binding = max(parts, key=parts.get) if parts else "none"
-    per_rank_in: dict[int, int] = defaultdict(int)
-    for per_rank in need.values():
-        for r, b in per_rank.items():
-            per_rank_in[r] += b
+    per_rank_in = {r: sum(by_link) for r, by_link in need.items()}
     return Bound(max(parts.values(), default=0.0), relay, f"{binding}: {binding_of.get(binding, '')}", parts,
-                 dict(per_rank_in), total_owed, max_share)
+                 per_rank_in, total_owed, max_share)
 
 
 def balance(values: Sequence[int]) -> dict:

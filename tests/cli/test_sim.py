@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.layouts import rosters_for
 from helpers.plans import WORLD, scenarios
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from refit import Replicate, Shard
@@ -64,8 +64,17 @@ def test_balance():
     assert balance([])["ratio"] == 1.0
 
 
+# a scalar held on both nodes: the plan serves rank 1 its copy over the NIC from rank 4 while
+# NVLink brings it the other tensor, so the bound must not charge both to NVLink
+HELD_ON_BOTH_NODES = [("p0", (), (np.array([0, 4]), [Replicate()], "float32"),
+                       [(np.arange(7), [Replicate()], "float32")]),
+                      ("p1", (4, 6), (np.array([0]), [Replicate()], "float32"),
+                       [(np.array([1]), [Replicate()], "float32")])]
+
+
 @settings(max_examples=60, deadline=None)
 @given(scenarios(), st.sampled_from([1 << 4, 1 << 20]))
+@example(HELD_ON_BOTH_NODES, 1 << 4)
 def test_bound_never_exceeds_any_plan(params, stripe_bytes):
     """The bound is a bound: no plan beats it, with or without fan-out; relaying only lowers it."""
     index = merge_rosters(rosters_for(params, WORLD), WORLD)
