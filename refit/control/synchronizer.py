@@ -95,8 +95,8 @@ class _SynchronizerBase:
         transport: None (the communicator: gloo / NCCL) or ``"nixl"`` (reshard only):
             one-sided NIXL WRITEs, no collective during a transfer; every build relays the
             ranks' NIXL roster entries (``refit.transport.nixl``). Needs ``pip install 'refit[nixl]'``.
-        backend: the communicator's backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (every
-            build asks each rank where its tensors live: NCCL when all are on GPUs, gloo
+        backend: the communicator's backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (each
+            worker is asked once where its tensors live: NCCL when all are on GPUs, gloo
             when all are on the host; a mix, or two ranks on one GPU under NCCL, is refused
             naming the ranks).
     """
