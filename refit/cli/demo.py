@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--device cuda ranks then share GPUs (CUDA IPC between processes), so the whole "
                         "demo fits on as many GPUs as the largest of trainer dp*tp and engine TP")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds the trainer and engine actors may take to start (each imports torch and "
+                        "transformers; a busy machine is slow) [300]")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the Ray cluster of --address to be joined [60]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the live display")
@@ -147,6 +150,7 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
                         "device": args.device, **placement},
         engine_kwargs={"config": config, "device": args.device, "expert_parallel": args.engine_ep, **placement},
         actor_options={"num_gpus": 1} if args.device == "cuda" and not placement else None,
+        start_timeout_s=args.start_timeout,
     )
     killer = _Killer(fleet, args.kill_shard)
     rows, events = [], []
@@ -322,6 +326,10 @@ def run(args) -> int:
     except ValueError as e:
         print(f"refit demo: {e}")
         return 2
+    for flag, value in (("--start-timeout", args.start_timeout), ("--connect-timeout", args.connect_timeout)):
+        if not value > 0:
+            print(f"refit demo: {flag} {value:g}: give a positive number of seconds")
+            return 2
     if args.nixl:
         from refit.transport.nixl import nixl_available
 
