@@ -237,7 +237,7 @@ def _runner(group, plan, src, dst, **kw):
     return lambda: ex.run(src, dst)
 
 
-def _bench_rank(group, cfg: dict) -> dict:
+def transport_rank(group, cfg: dict) -> dict:
     side = rank_tensors(group, cfg)
     dev, names, src, dst = side.device, side.names, side.src, side.dst
     out = side.header()
@@ -382,7 +382,7 @@ def _bench_rank(group, cfg: dict) -> dict:
     return out
 
 
-def _nixl_rank(group, cfg: dict) -> dict:
+def nixl_rank(group, cfg: dict) -> dict:
     """One rank of ``--transport nixl``: one plan moved by the streamed NCCL executor, then by NIXL's
     one-sided WRITEs in place (the default) and with every bucket staged."""
     side = rank_tensors(group, cfg)
@@ -528,7 +528,7 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-out", default=None, help="also write the JSON result to this file")
 
 
-def _cfg(args) -> dict:
+def config_from_args(args) -> dict:
     get = lambda k, d: getattr(args, k, d)  # noqa: E731 - a caller's parser may not carry every option
     return {
         "layers": get("gpu_layers", 32), "bucket_mib": get("gpu_bucket_mib", 1024),
@@ -704,7 +704,7 @@ def run_gpu(args) -> int:
         return 2
     t0 = time.perf_counter()
     with DeviceFleet(2) as fleet:
-        r0, r1 = fleet.run(_bench_rank, _cfg(args), timeout_s=260)
+        r0, r1 = fleet.run(transport_rank, config_from_args(args), timeout_s=260)
         fleet.rebuild()
         abort = fleet.run(_abort_probe, timeout_s=60)[1]
     return _report(summarize(r0, r1, abort), [r0, r1], t0, getattr(args, "gpu_out", None),
@@ -727,7 +727,7 @@ def run_nixl(overrides: dict[str, Any] | None = None, *, staged: bool = True, as
     cfg = {**{k: v for k, v in args.items() if k != "out"}, "staged": staged, "seed": 1234}
     t0 = time.perf_counter()
     with DeviceFleet(2) as fleet:
-        r0, r1 = fleet.run(_nixl_rank, cfg, timeout_s=280)
+        r0, r1 = fleet.run(nixl_rank, cfg, timeout_s=280)
     return _report(nixl_summary(r0, r1), [r0, r1], t0, args["out"], as_json, print_nixl_table)
 
 

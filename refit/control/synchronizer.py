@@ -175,6 +175,16 @@ class _SynchronizerBase:
         return self._epoch
 
     @property
+    def trainer_workers(self) -> list[Any]:
+        """The trainer ranks' worker handles, in trainer-rank order (whatever the build)."""
+        return list(self._trainers)
+
+    @property
+    def engine_workers(self) -> list[list[Any]]:
+        """Every generation shard's worker handles, in shard and worker order (whatever the build)."""
+        return [list(shard) for shard in self._engines]
+
+    @property
     def workers(self) -> dict[int, Any]:
         """The live build's worker handles by communicator rank, trainers first.
 

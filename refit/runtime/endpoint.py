@@ -445,6 +445,19 @@ class _RefitEndpoint:
                 st.nixl.close()
                 st.nixl = None
 
+    def refit_status(self) -> dict:
+        """What this rank's refit state is: for logs, dashboards and tests.
+
+        ``epoch`` of the live communicator (-1 without one), its ``backend`` (None without
+        one), the ``transport`` of the executor, and the NIXL ``agent`` name and ``rank``
+        (None without NIXL).
+        """
+        st = self._refit_state()
+        return {"epoch": st.epoch, "backend": st.group.backend if st.group is not None else None,
+                "transport": st.executor.transport if st.executor is not None else None,
+                "nixl_agent": st.nixl.agent_name if st.nixl is not None else None,
+                "nixl_rank": st.nixl.rank if st.nixl is not None else None}
+
     def refit_abort(self) -> None:
         """Abort this rank's communicator and NIXL transport now, from any thread (idempotent).
 

@@ -76,6 +76,7 @@ __all__ = [
     "NixlRosterEntry",
     "NixlTransport",
     "NixlUnavailable",
+    "apply_gpu_tls",
     "gpu_ucx_tls",
     "load_nixl",
     "nixl_available",
@@ -149,7 +150,7 @@ def gpu_ucx_tls(tls: str | None) -> str | None:
     return ",".join(parts + list(GPU_TLS))
 
 
-def _apply_gpu_tls(environ=os.environ) -> None:
+def apply_gpu_tls(environ=os.environ) -> None:
     old = environ.get("UCX_TLS")
     new = gpu_ucx_tls(old)
     if new != old:
@@ -325,7 +326,7 @@ class NixlTransport:
         if self.agent is not None:
             return
         if device.type == "cuda":
-            _apply_gpu_tls()
+            apply_gpu_tls()
         cfg = self._nixl.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=self._backends)
         self.agent = self._nixl.nixl_agent(self.agent_name, cfg)
         self.device = device

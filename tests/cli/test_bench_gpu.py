@@ -10,10 +10,10 @@ def test_gpu_benchmark_flow_runs_on_cpu():
     tiny model over gloo: what the one device call will run, minus NCCL."""
     from refit.cli import bench_gpu
     tiny = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 96, "vocab": 128}
-    cfg = dict(bench_gpu._cfg(object()), layers=2, model=tiny, iters=2, refits=3, bucket_mib=1, bucket32_mib=1,
-               group_mib=1, staging_mib=1)
+    cfg = dict(bench_gpu.config_from_args(object()), layers=2, model=tiny, iters=2, refits=3, bucket_mib=1,
+               bucket32_mib=1, group_mib=1, staging_mib=1)
     with LocalFleet(2) as f:
-        r0, r1 = f.run(bench_gpu._bench_rank, cfg, timeout_s=120)
+        r0, r1 = f.run(bench_gpu.transport_rank, cfg, timeout_s=120)
     s = bench_gpu.summarize(r0, r1, {"release_s": 0.0, "abort_call_s": 0.0, "error": "n/a"})
     assert all(s["verified"].values()), s["verify_failures"]
     assert s["hygiene_fp32_src"]["peak_staging_bytes"] <= s["hygiene_fp32_src"]["budget"]
@@ -36,7 +36,7 @@ def test_nixl_benchmark_flow_runs_on_cpu():
     cfg = dict(bench_gpu.NIXL_DEFAULTS, layers=2, model=tiny, iters=2, bucket_mib=1, chunk_mib=1, staging_mib=1,
                group_mib=1, staged=True, seed=1234)
     with LocalFleet(2) as f:
-        r0, r1 = f.run(bench_gpu._nixl_rank, cfg, timeout_s=120)
+        r0, r1 = f.run(bench_gpu.nixl_rank, cfg, timeout_s=120)
     s = bench_gpu.nixl_summary(r0, r1)
     assert s["verified"] == {"nccl": True, "nixl": True, "nixl_staged": True}, s
     bench_gpu.print_nixl_table(s)

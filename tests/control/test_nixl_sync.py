@@ -56,13 +56,13 @@ def test_nixl_sync_moves_verifies_follows_membership_and_makes_no_collective(mon
         assert calls == []  # the transfers: NIXL notifications and WRITEs only
         monkeypatch.undo()
         # a shard dies: the rebuild renumbers the ranks; agents stay, plans and rosters follow
-        agents = {id(e): e._refit_state().nixl.agent_name for s in engines for e in s}
-        sync._engines[1][0].kill()
+        agents = {id(e): e.refit_status()["nixl_agent"] for s in engines for e in s}
+        sync.engine_workers[1][0].kill()
         step(trainers, 3)
         res = sync.sync_weights()
         assert res.verified and res.rebuilt and res.shards == [0, 2] and wrong(engines, 3, [0, 2]) == {}
-        assert engines[2][1]._refit_state().nixl.rank == 2 + 2 + 1  # was 2 + 4 + 1
-        assert engines[2][1]._refit_state().nixl.agent_name == agents[id(engines[2][1])]
+        assert engines[2][1].refit_status()["nixl_rank"] == 2 + 2 + 1  # was 2 + 4 + 1
+        assert engines[2][1].refit_status()["nixl_agent"] == agents[id(engines[2][1])]
         # the shard comes back (fresh workers, fresh agents) and joins at the next sync
         fresh = [SyntheticEngine(1, w, 2, hidden=HIDDEN) for w in range(2)]
         sync.replace_shard(1, fresh)
@@ -71,13 +71,13 @@ def test_nixl_sync_moves_verifies_follows_membership_and_makes_no_collective(mon
         res = sync.sync_weights()
         assert res.verified and res.rebuilt and res.shards == [0, 1, 2] and wrong(engines, 4) == {}
         # a flipped byte on the wire is caught by the per-bucket checksums, naming the shard
-        sync._trainers[0].call("refit_inject_fault", peer=None, byte=3).result(10)
+        sync.trainer_workers[0].call("refit_inject_fault", peer=None, byte=3).result(10)
         step(trainers, 5)
         with pytest.raises(RefitVerificationError, match="shard"):
             sync.sync_weights()
     finally:
         sync.shutdown()
-    assert all(e._refit_state().nixl is None for s in engines for e in s)  # shutdown closed the agents
+    assert all(e.refit_status()["nixl_agent"] is None for s in engines for e in s)  # shutdown closed the agents
 
 
 def test_nixl_transport_only_for_the_reshard_path():

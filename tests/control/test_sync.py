@@ -126,7 +126,7 @@ def test_dead_shard_is_excluded_then_readmitted(synced, cls):
     sync, trainers, engines = synced(cls, 1, 3, 2)
     sync.init_communicator()
     assert sync.membership.world_size == 7 and not sync.is_stale
-    sync._engines[1][1].kill()
+    sync.engine_workers[1][1].kill()
     assert sync.is_stale
     set_step(trainers, 1)
     res = sync.sync_weights()
@@ -157,14 +157,14 @@ def test_replacing_a_live_shard_rebuilds_even_though_membership_is_unchanged(syn
     res = sync.sync_weights()
     assert res.rebuilt and res.verified and fresh[0].check_weights(5) == []
     assert engines[0][0].refit_ping()  # the old worker was torn down, not broken
-    assert engines[0][0]._refit_state().group is None
+    assert engines[0][0].refit_status()["backend"] is None
 
 
 @pytest.mark.timeout(60)
 def test_every_shard_gone_raises_no_surviving_shards(synced):
     sync, trainers, _ = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
     sync.init_communicator()
-    for shard in sync._engines:
+    for shard in sync.engine_workers:
         shard[0].kill()
     with pytest.raises(NoSurvivingShards, match="all 2 generation shards are gone"):
         sync.sync_weights()
@@ -176,7 +176,7 @@ def test_every_shard_gone_raises_no_surviving_shards(synced):
 def test_dead_trainer_is_reported_not_excluded(synced):
     sync, _, _ = synced(refit.ReshardWeightSynchronizer, 2, 2, 1)
     sync.init_communicator()
-    sync._trainers[1].kill()
+    sync.trainer_workers[1].kill()
     with pytest.raises(RefitWorkerError, match=r"trainer rank\(s\) \[1\] are dead; trainers are never excluded"):
         sync.sync_weights()
 
@@ -338,7 +338,7 @@ def test_import_refit_does_not_import_ray():
 def test_backend_follows_the_tensors_and_nccl_over_host_tensors_is_refused_before_any_connect(synced):
     sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
     sync.init_communicator()
-    assert all(e._refit_state().group.backend == "gloo" for shard in engines for e in shard)
+    assert all(e.refit_status()["backend"] == "gloo" for shard in engines for e in shard)
 
     forced, _, _ = synced(refit.ReshardWeightSynchronizer, 1, 2, 1, backend="nccl")
     with pytest.raises(PlanError) as info:
@@ -362,7 +362,7 @@ def test_shards_of_different_sizes_refit_lose_one_and_readmit_it(synced, cls, lo
     assert res.verified and res.shards == [0, 1, 2] and sync.membership.world_size == 2 + 5
     assert wrong_weights(engines, 1) == {}
 
-    sync._engines[lost][0].kill()
+    sync.engine_workers[lost][0].kill()
     set_step(trainers, 2)
     res = sync.sync_weights()
     survivors = [s for s in range(3) if s != lost]

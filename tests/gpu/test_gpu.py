@@ -133,7 +133,7 @@ def test_synchronizer_picks_nccl_and_refits_exactly(cls):
             result = sync.sync_weights()
             assert result.verified and result.shards == [0]
             assert engines[0][0].check_weights(step) == []
-        assert engines[0][0]._refit_state().group.backend == "nccl"
+        assert engines[0][0].refit_status()["backend"] == "nccl"
     finally:
         sync.shutdown()
 
@@ -172,7 +172,7 @@ def test_nixl_synchronizer_on_gpus_loses_a_shard_and_readmits_it():
     try:
         trainers[0].set_step(1)
         assert sync.sync_weights().verified
-        sync._engines[1][0].kill()
+        sync.engine_workers[1][0].kill()
         trainers[0].set_step(2)
         res = sync.sync_weights()
         assert res.verified and res.rebuilt and res.shards == [0, 2]

@@ -23,10 +23,10 @@ def test_host_only_ucx_tls_gets_the_cuda_transports(tls, want):
 
 def test_apply_gpu_tls_edits_only_a_host_only_list():
     env = {"UCX_TLS": "tcp"}
-    nixl._apply_gpu_tls(env)
+    nixl.apply_gpu_tls(env)
     assert env["UCX_TLS"] == "tcp,cuda_copy,cuda_ipc"
     env = {}
-    nixl._apply_gpu_tls(env)
+    nixl.apply_gpu_tls(env)
     assert "UCX_TLS" not in env
 
 
