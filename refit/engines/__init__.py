@@ -1,0 +1,1 @@
+"""Backends for real inference engines: vLLM first (``refit.engines.vllm``)."""

@@ -1,0 +1,154 @@
+"""The refit endpoint that lives inside one vLLM worker process: what it receives, and how it loads it.
+
+Two receive modes, chosen per engine and reported by ``refit_receive_mode``:
+
+- **loader**: every checkpoint tensor's shard lands in a buffer of its own, in checkpoint
+  format, and vLLM's own loaders then run under layerwise reload
+  (``initialize_layerwise_reload`` / ``model.load_weights`` / ``finalize_layerwise_reload``),
+  which re-runs each layer's post-load processing. It is the only way in on vLLM's CPU
+  build, which repacks linear weights after start so that a write into ``qkv_proj`` is
+  never seen, and on quantized engines, whose stored weights are not the checkpoint's.
+  vLLM's loaders narrow full checkpoint tensors to the worker's slice; they are handed a
+  ``CheckpointShard`` (full shape, no storage) whose narrow to that slice is the shard.
+- **direct**: on a GPU with unquantized weights the shard is written straight into the live
+  fused parameter (the q rows of ``qkv_proj`` ...); nothing is copied or loaded afterwards.
+
+Loading starts only after the controller verified the transfer, so a failed or corrupted
+refit never reaches the live weights in loader mode. A failure inside the load itself puts
+every layer that was not finished back on its previous tensors before the error is raised:
+vLLM's layerwise reload leaves unfinished layers on the ``meta`` device otherwise, and the
+next generation kills the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+import numpy as np
+
+from refit.engines.vllm.destinations import plan_destinations
+from refit.engines.vllm.shard_tensor import as_checkpoint_tensor
+from refit.errors import LayoutError, RefitError
+from refit.layout import mesh_coords_of, shard_slices
+from refit.runtime.endpoint import EngineEndpoint, LocalShard
+
+__all__ = ["RECEIVE_MODES", "VllmWorkerEndpoint", "choose_receive_mode"]
+
+log = logging.getLogger(__name__)
+
+RECEIVE_MODES = ("auto", "loader", "direct")
+
+
+def choose_receive_mode(requested: str, *, device: torch.device, quantized: bool) -> str:
+    """``auto`` is direct on a GPU with unquantized weights and loader everywhere else."""
+    if requested not in RECEIVE_MODES:
+        raise RefitError(f"receive_mode must be one of {RECEIVE_MODES}, got {requested!r}")
+    if requested == "direct":
+        if device.type == "cpu":
+            raise RefitError("receive_mode='direct' needs a GPU engine: vLLM's CPU build repacks linear weights "
+                             "after start, so bytes written into them are never used; use 'loader' or 'auto'")
+        if quantized:
+            raise RefitError("receive_mode='direct' needs unquantized weights; a quantized engine stores "
+                             "processed weights, so use 'loader' or 'auto'")
+    if requested != "auto":
+        return requested
+    return "direct" if device.type != "cpu" and not quantized else "loader"
+
+
+class VllmWorkerEndpoint(EngineEndpoint):
+    """``EngineEndpoint`` of one vLLM worker: its destinations, and the load after a verified refit.
+
+    Args:
+        model: the worker's model (``worker.model_runner.get_model()``).
+        model_config: vLLM's ``ModelConfig`` (layerwise reload needs it).
+        tp_rank, tp_size: this worker's place in the engine's tensor-parallel group.
+        device: where the model lives.
+        receive_mode: ``"auto"``, ``"loader"`` or ``"direct"``.
+        quantized: whether the engine runs a quantization method (forces loader mode).
+    """
+
+    def __init__(self, model: torch.nn.Module, model_config: Any, *, tp_rank: int, tp_size: int,
+                 device: torch.device, receive_mode: str = "auto", quantized: bool = False):
+        self.model = model
+        self.model_config = model_config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.device = torch.device(device)
+        self.receive_mode = choose_receive_mode(receive_mode, device=self.device, quantized=quantized)
+        self.destinations = plan_destinations(model, tp_rank=tp_rank, tp_size=tp_size)
+        self.loads = 0
+        self.last_load_s = 0.0
+        if self.receive_mode == "direct":
+            self._views, self._loadable = self._direct_views(), {}
+        else:
+            self._views, self._loadable = self._loader_buffers()
+
+    # -- destinations -----------------------------------------------------------------
+    def _loader_buffers(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One shard-sized buffer per checkpoint tensor, made once and reused by every refit,
+        and the full-shape ``CheckpointShard`` over it that vLLM's loader narrows."""
+        buffers, loadable = {}, {}
+        for d in self.destinations:
+            mesh = np.asarray(d.mesh)
+            slices = shard_slices(d.global_shape, mesh.shape, mesh_coords_of(mesh, self.tp_rank), d.placements)
+            buf = torch.empty(d.local_shape, dtype=d.dtype, device=self.device)
+            buffers[d.name] = buf
+            loadable[d.name] = as_checkpoint_tensor(buf, d.global_shape, slices, d.name)
+        return buffers, loadable
+
+    def _direct_views(self) -> dict[str, torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        views = {}
+        for d in self.destinations:
+            p = params[d.target].data
+            lo, hi = d.rows
+            view = p[lo:hi] if p.dim() else p
+            if tuple(view.shape) != d.local_shape:
+                raise LayoutError(f"{d.name}: the live {d.target} rows {lo}:{hi} have shape {list(view.shape)}, "
+                                  f"the layout says {list(d.local_shape)}; receive_mode='loader' handles it")
+            views[d.name] = view
+        return views
+
+    def refit_destinations(self) -> dict[str, LocalShard]:
+        return {d.name: LocalShard(self._views[d.name], d.global_shape, d.mesh, d.placements)
+                for d in self.destinations}
+
+    def refit_receive_mode(self) -> dict:
+        """The mode, and how many bytes of destinations this worker holds (its exact share)."""
+        return {"mode": self.receive_mode, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+                "params": len(self.destinations),
+                "bytes": sum(v.numel() * v.element_size() for v in self._views.values()),
+                "loads": self.loads, "last_load_s": self.last_load_s}
+
+    # -- after a verified refit -------------------------------------------------------
+    def on_weights_loaded(self) -> None:
+        if self.receive_mode == "loader":
+            self.load_received()
+
+    def load_received(self) -> None:
+        """Run vLLM's loaders over the received shards under layerwise reload."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        t0 = time.perf_counter()
+        initialize_layerwise_reload(self.model)
+        finished = False
+        try:
+            with torch.no_grad():
+                self.model.load_weights((d.name, self._loadable[d.name]) for d in self.destinations)
+            finished = True
+        finally:
+            # also on failure: layers that were not finished go back to their previous
+            # tensors instead of staying on the meta device
+            finalize_layerwise_reload(self.model, self.model_config)
+            if not finished:
+                log.error("refit: loading the received weights failed; unfinished layers keep their old weights")
+        self.loads += 1
+        self.last_load_s = time.perf_counter() - t0
+
+    def received_state(self) -> Mapping[str, torch.Tensor]:
+        """The shards as received (loader mode) or as written in place (direct mode), by checkpoint name."""
+        return dict(self._views)
