@@ -63,9 +63,9 @@ class CheckpointShard(torch.Tensor):
         if (start, start + length) == (want.start, want.stop) and all(
                 s.start == 0 and s.stop == n for d, (s, n) in enumerate(zip(self.slices, self.shape)) if d != dim):
             return self.shard
-        raise LayoutError(f"{self.param_name}: vLLM's loader asked for rows {start}:{start + length} of dim {dim}, but this "
-                          f"worker received {[(s.start, s.stop) for s in self.slices]}; the engine's layout and "
-                          "refit's disagree")
+        raise LayoutError(f"{self.param_name}: vLLM's loader asked for rows {start}:{start + length} of dim {dim}, "
+                          f"but this worker received {[(s.start, s.stop) for s in self.slices]}; the engine's "
+                          "layout and refit's disagree")
 
 
 def as_checkpoint_tensor(shard: torch.Tensor, global_shape: Sequence[int], slices: Sequence[slice],

@@ -27,9 +27,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 import numpy as np
+import torch
 
 from refit.engines.vllm.destinations import plan_destinations
 from refit.engines.vllm.shard_tensor import as_checkpoint_tensor
