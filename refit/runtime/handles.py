@@ -120,14 +120,16 @@ class ProcessWorker:
     it) fall back to host copies. Here each endpoint gets its process; calls run in order,
     one at a time, as on an actor. Requests and answers are pickled over an OS pipe to the
     child this handle spawned, never over a socket. ``kill()`` is a real SIGKILL.
+    ``daemon=False`` lets the endpoint start processes of its own (a vLLM engine does); the
+    child still ends when this handle's end of the pipe closes.
     """
 
     def __init__(self, factory: Callable[..., Any], *args: Any, name: str | None = None,
-                 start_timeout_s: float = 120.0, **kwargs: Any):
+                 start_timeout_s: float = 120.0, daemon: bool = True, **kwargs: Any):
         self.name = name or getattr(factory, "__name__", "worker")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, factory, args, kwargs), daemon=True,
+        self.process = ctx.Process(target=_serve, args=(child, factory, args, kwargs), daemon=daemon,
                                    name=f"refit-{self.name}")
         self.process.start()
         child.close()

@@ -1,0 +1,253 @@
+"""vLLM engines as generation shards of ``ReshardWeightSynchronizer``.
+
+``VllmEngineHost`` owns one ``vllm.LLM`` (put it in a process of its own with
+``refit.runtime.handles.ProcessWorker``, or make it the body of a Ray actor). Its workers
+carry refit's worker extension, so each holds a ``VllmWorkerEndpoint``. ``VllmEngine``
+turns a handle to the host into one shard of worker handles for the synchronizer::
+
+    host = ProcessWorker(VllmEngineHost, model=path, tensor_parallel_size=2, dtype="float32")
+    sync = ReshardWeightSynchronizer(trainers, [VllmEngine(host, tp=2).workers])
+
+vLLM reaches its workers only all at once (``collective_rpc``), so the handles of one
+engine collect the calls of a round (one per worker, which is how the synchronizer calls
+a shard) and send them as one sealed batch.
+
+Generation never sees partial weights. Calls to a host run one at a time, so nothing
+generates while a refit moves bytes; in loader mode the live weights change only at the
+commit, after the controller verified every byte; and an engine whose refit started but
+was not committed (direct mode writes in place) refuses to generate until a refit commits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from refit.engines.vllm.extension import EXTENSION, KEY_ENV, new_key, open_sealed, seal
+from refit.errors import RefitError
+from refit.runtime.handles import FuturePending, WorkerDied
+
+__all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost"]
+
+_TRANSFER_METHODS = {"refit_transfer"}
+
+
+class IncompleteWeights(RefitError):
+    """This engine's last refit did not commit, so its weights may be partial: it does not generate."""
+
+
+class VllmEngineHost:
+    """One vLLM engine (an ``LLM``) whose workers take refit's shard-to-shard transfers.
+
+    Args:
+        model: path of the model (a directory with ``config.json``; ``load_format="dummy"``
+            starts without checkpoint files, as an engine waiting for its first refit).
+        receive_mode: ``"auto"``, ``"loader"`` or ``"direct"`` (see ``refit.engines.vllm.worker``).
+        env: environment variables for vLLM, set in this process before the engine starts
+            (for example ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_KVCACHE_SPACE`` on the host).
+        **llm_kwargs: passed to ``vllm.LLM`` (``tensor_parallel_size``, ``dtype``, ...).
+    """
+
+    def __init__(self, model: str, *, receive_mode: str = "auto", env: dict[str, str] | None = None,
+                 **llm_kwargs: Any):
+        if "worker_extension_cls" in llm_kwargs:
+            raise RefitError("VllmEngineHost sets worker_extension_cls itself (refit's worker extension)")
+        os.environ.update({k: str(v) for k, v in (env or {}).items()})
+        from vllm import LLM
+
+        self._key = new_key()
+        os.environ[KEY_ENV] = self._key  # the workers this LLM spawns inherit it
+        self.llm = LLM(model=model, worker_extension_cls=EXTENSION, **llm_kwargs)
+        self.tp_size = int(llm_kwargs.get("tensor_parallel_size", 1))
+        self._lock = threading.RLock()
+        self._incomplete = False
+        self.version = 0  # refits committed
+        info = self._batch("refit_attach", {r: ((), {"receive_mode": receive_mode}) for r in range(self.tp_size)})
+        self.workers_info = [_unwrap(x) for x in info]
+        self.worker_pids = [w["pid"] for w in self.workers_info]
+        # loader mode touches the live weights only at the commit; direct mode writes them in place
+        self.direct = any(w["mode"] == "direct" for w in self.workers_info)
+
+    # -- refit ------------------------------------------------------------------------
+    def _batch(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
+        answers = self.llm.collective_rpc("refit_dispatch", args=(seal((method, calls), self._key),))
+        return [open_sealed(a, self._key) for a in answers]
+
+    def refit_workers(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
+        """Run ``method`` on the workers named in ``calls`` (by TP rank); ``(ok, result or error)`` each."""
+        with self._lock:
+            if method in _TRANSFER_METHODS and self.direct:
+                self._incomplete = True  # until a commit says otherwise
+            if method == "refit_commit" and not self.direct:
+                self._incomplete = True  # a load that fails part way leaves some layers new
+            out = self._batch(method, calls)
+            if method == "refit_commit" and all(ok for ok, _ in out):
+                self._incomplete = False
+                self.version += 1
+            return out
+
+    def refit_ping(self) -> dict:
+        return {"pid": os.getpid(), "host": socket.gethostname(), "worker_pids": self.worker_pids}
+
+    def receive_modes(self) -> list[dict]:
+        """Each worker's receive mode, its share of the weights in bytes, and its load count."""
+        return [_unwrap(x) for x in self._batch("refit_receive_mode", {r: ((), {}) for r in range(self.tp_size)})]
+
+    # -- generation -------------------------------------------------------------------
+    def _check_complete(self) -> None:
+        if self._incomplete:
+            raise IncompleteWeights("this engine's last refit did not commit; its weights may be partial, so it "
+                                    "does not generate until a refit completes")
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[list[int]]:
+        """Greedy continuations of token-id prompts."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        with self._lock:
+            self._check_complete()
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                     SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """The log-probability of every prompt token after the first, given the ones before it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        with self._lock:
+            self._check_complete()
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                     SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+            return [[lp[tok].logprob for tok, lp in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(prompts, outs)]
+
+
+def _unwrap(answer: tuple[bool, Any]) -> Any:
+    ok, value = answer
+    if not ok:
+        raise value
+    return value
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class VllmEngine:
+    """One generation shard: a handle to a ``VllmEngineHost`` seen as ``tp`` worker handles.
+
+    Args:
+        host: a worker handle (``ProcessWorker``, ``RayWorker``, ``LocalWorker``) to a
+            ``VllmEngineHost``, or a Ray actor handle of one.
+        name: for error messages.
+    """
+
+    def __init__(self, host: Any, *, name: str = "vllm engine", start_timeout_s: float = 600.0):
+        from refit.control.synchronizer import as_worker
+
+        self.host = as_worker(host, name)
+        self.name = name
+        info = self.host.call("refit_ping").result(start_timeout_s)
+        self.worker_pids = list(info["worker_pids"])
+        self.tp = len(self.worker_pids)
+        # worker processes on this machine are watched directly: the host answers one call at
+        # a time, so asking it would wait behind the very refit whose worker died
+        self._local = info["host"] == socket.gethostname()
+        self._lock = threading.Lock()
+        self._rounds: dict[int, dict[int, tuple[str, tuple, dict, cf.Future]]] = {}
+        self._issued = [0] * self.tp
+        self.workers = [VllmWorkerHandle(self, r) for r in range(self.tp)]
+
+    @property
+    def dead(self) -> bool:
+        if self.host.is_dead():
+            return True
+        return self._local and not all(_pid_alive(p) for p in self.worker_pids)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A call to the host itself (``generate``, ``prompt_logprobs``, ``receive_modes``)."""
+        return self.host.call(method, *args, **kwargs)
+
+    def _submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            seq = self._issued[rank]
+            self._issued[rank] += 1
+            batch = self._rounds.setdefault(seq, {})
+            batch[rank] = (method, args, kwargs, fut)
+            if len(batch) < self.tp:
+                return fut
+            del self._rounds[seq]
+        methods = {m for m, _, _, _ in batch.values()}
+        if len(methods) != 1:
+            err = RefitError(f"{self.name}: the workers of one engine were called with different methods in one "
+                             f"round ({sorted(methods)}); an engine's workers are driven together")
+            for *_, f in batch.values():
+                f.set_exception(err)
+            return fut
+        pending = self.host.call("refit_workers", method, {r: (a, kw) for r, (_, a, kw, _) in batch.items()})
+        threading.Thread(target=self._deliver, args=(pending, batch), daemon=True,
+                         name=f"refit-{self.name}-{method}").start()
+        return fut
+
+    def _deliver(self, pending: Any, batch: dict) -> None:
+        while True:
+            try:
+                answers = pending.result(0.5)
+                break
+            except WorkerDied as e:
+                answers = e
+                break
+            except TimeoutError:
+                if self.dead:
+                    answers = WorkerDied(f"{self.name}: its process or a worker of it died")
+                    break
+            except BaseException as e:  # noqa: BLE001 - handed to every worker's call
+                answers = e
+                break
+        for rank, (*_, fut) in batch.items():
+            if isinstance(answers, BaseException):
+                fut.set_exception(answers)
+                continue
+            ok, value = answers[rank]
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class VllmWorkerHandle:
+    """The synchronizer's handle to one worker of a ``VllmEngine`` (``call`` / ``is_dead``)."""
+
+    def __init__(self, engine: VllmEngine, rank: int):
+        self.engine = engine
+        self.rank = rank
+        self.name = f"{engine.name} worker {rank}"
+
+    @property
+    def dead(self) -> bool:
+        return self.engine.dead
+
+    def is_dead(self) -> bool:
+        return self.engine.dead
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
+        if self.engine.dead:
+            fut: cf.Future = cf.Future()
+            fut.set_exception(WorkerDied(f"{self.name} is dead"))
+            return FuturePending(fut, self)
+        return FuturePending(self.engine._submit(self.rank, method, args, kwargs), self)
+
+    def __repr__(self) -> str:
+        return f"VllmWorkerHandle({self.name}{', dead' if self.dead else ''})"
