@@ -44,8 +44,8 @@ from refit.errors import RefitError
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.runtime.endpoint import ConnectSpec, TrainerEndpoint, as_local_shard
 
-__all__ = ["RefitInitInfo", "RefitTrainerInitInfo", "RefitTrainerWeightTransferEngine", "RefitUpdateInfo",
-           "RefitWeightSource", "RefitWeightTransferEngine"]
+__all__ = ["LLMWeightSyncClient", "RefitInitInfo", "RefitTrainerInitInfo", "RefitTrainerWeightTransferEngine",
+           "RefitUpdateInfo", "RefitWeightSource", "RefitWeightTransferEngine"]
 
 BACKEND = "refit"
 
@@ -112,6 +112,32 @@ class RefitWeightSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise RefitError("refit moves shards and never materializes full tensors; iterate the trainer's own "
                          "state for that")
+
+
+class LLMWeightSyncClient:
+    """vLLM's weight-sync client protocol over an offline ``vllm.LLM`` in this process.
+
+    ``AsyncLLM`` and the HTTP and Ray clients of ``vllm.distributed.weight_transfer.clients``
+    serve the other deployments; an ``LLM`` reaches its workers through ``collective_rpc``.
+    """
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
 
 
 class _SourceEndpoint(TrainerEndpoint):

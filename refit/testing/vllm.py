@@ -1,0 +1,152 @@
+"""A real-vLLM fleet on one machine: an HF trainer (FSDP2 x TP) and vLLM engines, each in processes of their own.
+
+Used by the tests, ``refit demo --engine vllm`` and ``refit bench --engine vllm``.
+Everything starts at once (the trainer ranks rendezvous with each other, and a vLLM
+engine takes tens of seconds to start on a small host), each engine from a model
+directory holding only the trainer's ``config.json`` (``load_format="dummy"``: an
+engine that waits for its first refit).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from refit.comm.group import free_port
+from refit.engines.vllm.engine import VllmEngine, VllmEngineHost
+from refit.errors import RefitError
+from refit.runtime.handles import ProcessWorker
+from refit.testing.hf import HFTrainerWorker, tiny_llama_config
+
+__all__ = ["VllmFleet", "reference_logprobs", "vllm_llama_config"]
+
+
+def vllm_llama_config(**overrides: Any):
+    """A Llama-shaped config that vLLM's CPU build runs: head_dim 32 (its CPU attention needs 32, 64, 80+)."""
+    kw = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, max_position_embeddings=256)
+    kw.update(overrides)
+    return tiny_llama_config(**kw)
+
+
+def reference_logprobs(logits: torch.Tensor, prompt: Sequence[int]) -> list[float]:
+    """log p(prompt[i] | prompt[:i]) for i >= 1 from HF logits ``[seq, vocab]``."""
+    lp = logits.float().log_softmax(-1)
+    return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+
+class VllmFleet:
+    """Trainer ranks (``HFTrainerWorker``) and vLLM engines (``VllmEngineHost``), each a ``ProcessWorker``.
+
+    Args:
+        engine_tp: the tensor-parallel size of each engine, e.g. ``(1, 2)``.
+        dp, tp: the trainer's FSDP2 and TP sizes.
+        config: an HF config (default ``vllm_llama_config()``).
+        receive_mode: the engines' receive mode.
+        cpus: host CPUs to spread the engines' OpenMP threads over (vLLM binds them).
+    """
+
+    def __init__(self, engine_tp: Sequence[int] = (1, 2), *, dp: int = 2, tp: int = 2, config: Any = None,
+                 receive_mode: str = "auto", start_timeout_s: float = 900.0, cpus: int | None = None,
+                 kv_cache_gib: int = 1, model_dir: str | None = None):
+        self.config = config or vllm_llama_config()
+        self._tmp = None
+        if model_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="refit-vllm-model-")
+            model_dir = self._tmp.name
+        self.config.save_pretrained(model_dir)
+        self.model_dir = model_dir
+        self.engine_tp = list(engine_tp)
+        self.receive_mode = receive_mode
+        self.start_timeout_s = start_timeout_s
+        self.cpus = cpus or os.cpu_count() or 1
+        self.kv_cache_gib = kv_cache_gib
+        self.world = dp * tp
+        port = free_port("127.0.0.1")
+        self.trainers: list[ProcessWorker] = []
+        self.hosts: list[ProcessWorker | None] = [None] * len(self.engine_tp)
+        with cf.ThreadPoolExecutor(self.world + len(self.engine_tp)) as pool:
+            trainers = [pool.submit(ProcessWorker, HFTrainerWorker, rank=r, world_size=self.world,
+                                    config=self.config.to_dict(), dp=dp, tp=tp, master_port=port,
+                                    name=f"trainer rank {r}", start_timeout_s=start_timeout_s)
+                        for r in range(self.world)]
+            hosts = [pool.submit(self._start_host, s) for s in range(len(self.engine_tp))]
+            errors = []
+            for f in [*trainers, *hosts]:
+                try:
+                    f.result()
+                except BaseException as e:  # noqa: BLE001 - every started process is closed below
+                    errors.append(e)
+            self.trainers = [f.result() for f in trainers if f.exception() is None]
+            self.hosts = [f.result() if f.exception() is None else None for f in hosts]
+        if errors:
+            self.close()
+            raise RefitError(f"VllmFleet did not start: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+        self.engines = [VllmEngine(h, name=f"engine {s}") for s, h in enumerate(self.hosts)]
+
+    def _start_host(self, shard: int) -> ProcessWorker:
+        tp = self.engine_tp[shard]
+        first = sum(self.engine_tp[:shard])
+        bind = "|".join(str((first + w) % self.cpus) for w in range(tp))
+        env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
+        return ProcessWorker(VllmEngineHost, self.model_dir, name=f"engine {shard}", daemon=False,
+                             start_timeout_s=self.start_timeout_s, receive_mode=self.receive_mode, env=env,
+                             tensor_parallel_size=tp, load_format="dummy", dtype="float32", skip_tokenizer_init=True,
+                             max_model_len=128, enforce_eager=True, max_num_seqs=4)
+
+    @property
+    def shards(self) -> list[list[Any]]:
+        """Every engine's worker handles, for ``ReshardWeightSynchronizer(fleet.trainers, fleet.shards)``."""
+        return [e.workers for e in self.engines]
+
+    def train_step(self, prompt: Sequence[int], new_tokens: int = 4, timeout_s: float = 600.0) -> dict:
+        """One optimizer step on every trainer rank; the HF reference logits and greedy tokens of the new weights."""
+        calls = [t.call("train_and_reference", list(prompt), new_tokens) for t in self.trainers]
+        return [c.result(timeout_s) for c in calls][0]
+
+    def check_engine(self, shard: int, prompt: Sequence[int], reference: dict, timeout_s: float = 600.0) -> dict:
+        """The engine's prompt logprobs and greedy tokens against the HF reference of the same weights."""
+        engine = self.engines[shard]
+        got = engine.call("prompt_logprobs", [list(prompt)]).result(timeout_s)[0]
+        want = reference_logprobs(reference["logits"][0], prompt)
+        tokens = engine.call("generate", [list(prompt)], len(reference["tokens"][0])).result(timeout_s)[0]
+        return {"max_abs_logprob_diff": max(abs(a - b) for a, b in zip(got, want)), "tokens": tokens,
+                "reference_tokens": [int(t) for t in reference["tokens"][0]]}
+
+    def kill_worker(self, shard: int, worker: int) -> int:
+        """SIGKILL one vLLM worker process of an engine; returns its pid."""
+        pid = self.engines[shard].worker_pids[worker]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def restart_engine(self, shard: int) -> VllmEngine:
+        """Close the engine's host and start a fresh one; returns its ``VllmEngine`` (hand ``.workers`` to
+        ``replace_shard``)."""
+        old = self.hosts[shard]
+        if old is not None:
+            old.close(timeout_s=30.0)
+        self.hosts[shard] = self._start_host(shard)
+        self.engines[shard] = VllmEngine(self.hosts[shard], name=f"engine {shard}")
+        return self.engines[shard]
+
+    def close(self) -> None:
+        for w in [*self.trainers, *(h for h in self.hosts if h is not None)]:
+            try:
+                w.close(timeout_s=30.0)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

