@@ -9,9 +9,12 @@ control plane usable without Ray. ``refit.runtime.ray.RayWorker`` drives a Ray a
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -181,7 +184,12 @@ class ProcessWorker:
             fut.set_exception(WorkerDied(f"{self.name} died"))
 
     def kill(self) -> None:
+        """SIGKILL the process and every process it started (they would outlive it as orphans)."""
+        tree = _descendants(self.process.pid) if self.process.pid else []
         self.process.kill()
+        for pid in tree:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         self.process.join(10)
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -199,6 +207,28 @@ class ProcessWorker:
 
     def __repr__(self) -> str:
         return f"ProcessWorker({self.name}{', dead' if self.dead else ''})"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from ``/proc`` (empty where there is no ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:

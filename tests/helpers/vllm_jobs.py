@@ -92,3 +92,15 @@ def trainer_rank(conn, rank: int, world: int, port: int, config_dict: dict, mode
         import traceback
 
         conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class ChildSpawner:
+    """An endpoint that starts a long-lived child process, as a vLLM host starts its engine."""
+
+    def __init__(self):
+        import subprocess
+
+        self.child = subprocess.Popen(["sleep", "600"])
+
+    def refit_ping(self) -> dict:
+        return {"pid": os.getpid(), "child": self.child.pid}

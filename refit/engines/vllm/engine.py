@@ -94,6 +94,16 @@ class VllmEngineHost:
     def refit_ping(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "worker_pids": self.worker_pids}
 
+    def refit_teardown(self) -> None:
+        """Stop the engine's processes (the engine core and its workers) now.
+
+        Left to interpreter exit, they outlive a host that is killed or slow to exit,
+        each holding its share of host memory.
+        """
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
     def receive_modes(self) -> list[dict]:
         """Each worker's receive mode, its share of the weights in bytes, and its load count."""
         return [_unwrap(x) for x in self._batch("refit_receive_mode", {r: ((), {}) for r in range(self.tp_size)})]
