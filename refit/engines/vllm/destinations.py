@@ -165,8 +165,9 @@ def plan_destinations(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> 
                 add(pname, shape, mesh, placements, (hi - lo, *local[1:]), (0, hi - lo))
             else:
                 add(pname, shape, mesh, placements, shape, (0, hi - lo))
-        elif "FusedMoE" in kinds:
-            raise LayoutError(f"{pname}: fused MoE experts are not mapped by refit's vLLM backend yet")
+        elif "FusedMoE" in kinds or "RoutedExperts" in kinds or "MoE" in type(module).__name__:
+            raise LayoutError(f"{pname}: vLLM's MoE experts ({type(module).__name__}) are not mapped by refit's vLLM "
+                              "backend yet")
         elif "LinearBase" in kinds and "ReplicatedLinear" not in kinds:
             raise LayoutError(f"{pname}: vLLM layer {type(module).__name__} is not mapped by refit's vLLM backend")
         elif "ReplicatedLinear" in kinds:
