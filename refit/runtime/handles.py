@@ -193,7 +193,12 @@ class ProcessWorker:
         self.process.join(10)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the process to tear its endpoint down and exit; kill it if it does not."""
+        """Ask the process to tear its endpoint down and exit; kill it if it does not.
+
+        Processes it started and left behind (a vLLM engine core outlives the process that
+        made it when that one exits first) are killed too.
+        """
+        tree = _descendants(self.process.pid) if self.process.pid else []
         if self.process.is_alive():
             with self._lock:
                 try:
@@ -203,6 +208,9 @@ class ProcessWorker:
             self.process.join(timeout_s)
         if self.process.is_alive():
             self.kill()
+        for pid in tree:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         self._conn.close()
 
     def __repr__(self) -> str:

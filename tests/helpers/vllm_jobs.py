@@ -87,6 +87,8 @@ def trainer_rank(conn, rank: int, world: int, port: int, config_dict: dict, mode
                 results.append({"diff": max(abs(a - b) for a, b in zip(got, want)),
                                 "tokens": list(out.outputs[0].token_ids), "ref_tokens": ids[0, len(PROMPT):].tolist()})
         engine.shutdown()
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()  # the engine core would outlive this process
         conn.send(("ok", results))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         import traceback

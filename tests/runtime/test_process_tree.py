@@ -29,3 +29,13 @@ def test_kill_takes_the_children_along():
     assert not _alive(child)
     worker.close()
     assert not os.path.exists(f"/proc/{worker.process.pid}/stat") or not _alive(worker.process.pid)
+
+
+def test_close_takes_the_children_along():
+    worker = ProcessWorker(ChildSpawner, name="spawner", daemon=False)
+    child = worker.call("refit_ping").result(60)["child"]
+    worker.close()
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
