@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from refit.engines.vllm.extension import new_key, open_sealed, seal
 from refit.engines.vllm.shard_tensor import CheckpointShard, as_checkpoint_tensor
-from refit.engines.vllm.worker import choose_receive_mode
+from refit.engines.vllm.worker import check_parallel_layout, choose_receive_mode
 from refit.errors import LayoutError, RefitError
 from refit.layout import Shard, chunk_bounds, shard_slices
 
@@ -81,3 +81,13 @@ def test_sealed_messages_are_authenticated_before_they_are_unpickled():
         open_sealed(bytes(blob), key)
     with pytest.raises(RefitError, match="failed authentication"):
         open_sealed(seal({"a": 1}, new_key()), key)
+
+
+def test_pipeline_and_expert_parallel_engines_are_refused_by_name():
+    from types import SimpleNamespace
+
+    check_parallel_layout(SimpleNamespace(pipeline_parallel_size=1, enable_expert_parallel=False))
+    with pytest.raises(RefitError, match="pipeline_parallel_size=2"):
+        check_parallel_layout(SimpleNamespace(pipeline_parallel_size=2, enable_expert_parallel=False))
+    with pytest.raises(RefitError, match="enable_expert_parallel"):
+        check_parallel_layout(SimpleNamespace(pipeline_parallel_size=1, enable_expert_parallel=True))

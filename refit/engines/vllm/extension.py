@@ -62,8 +62,9 @@ class RefitWorkerExtension:
         if ep is None:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-            from refit.engines.vllm.worker import VllmWorkerEndpoint
+            from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
 
+            check_parallel_layout(self.vllm_config.parallel_config)
             cfg = self.vllm_config.model_config
             ep = VllmWorkerEndpoint(self.model_runner.get_model(), cfg,
                                     tp_rank=get_tensor_model_parallel_rank(),

@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refit.control.verify import verify_checksums
-from refit.engines.vllm.worker import VllmWorkerEndpoint
+from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
 from refit.errors import RefitError
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.runtime.endpoint import ConnectSpec, TrainerEndpoint, as_local_shard
@@ -188,6 +188,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+        check_parallel_layout(self.parallel_config)
         self.info = init_info
         tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         pc = self.parallel_config

@@ -36,7 +36,7 @@ from refit.errors import LayoutError, RefitError
 from refit.layout import mesh_coords_of, shard_slices
 from refit.runtime.endpoint import EngineEndpoint, LocalShard
 
-__all__ = ["RECEIVE_MODES", "VllmWorkerEndpoint", "choose_receive_mode"]
+__all__ = ["RECEIVE_MODES", "VllmWorkerEndpoint", "check_parallel_layout", "choose_receive_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,15 @@ def choose_receive_mode(requested: str, *, device: torch.device, quantized: bool
     if requested != "auto":
         return requested
     return "direct" if device.type != "cpu" and not quantized else "loader"
+
+
+def check_parallel_layout(parallel_config: Any) -> None:
+    """Refuse the engine layouts the destinations do not describe yet, before anything is joined."""
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1)
+    if pp > 1:
+        raise RefitError(f"refit's vLLM backend maps tensor-parallel engines; this one has pipeline_parallel_size={pp}")
+    if getattr(parallel_config, "enable_expert_parallel", False):
+        raise RefitError("refit's vLLM backend does not map expert-parallel engines (enable_expert_parallel) yet")
 
 
 class VllmWorkerEndpoint(EngineEndpoint):
