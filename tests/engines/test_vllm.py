@@ -115,6 +115,33 @@ def test_a_worker_killed_mid_refit_is_recovered_from_and_its_engine_readmitted(f
         _check(fleet, shard, reference)
 
 
+def test_engines_survive_a_trainer_rank_dying_mid_refit(fleet, sync):
+    """The last test on the fleet: a trainer cannot be excluded, so the refit fails, naming it; the
+    engines keep serving the weights of the last refit that committed."""
+    from refit.control import RefitWorkerError
+
+    before = fleet.train_step(PROMPT)
+    sync.sync_weights()
+    fleet.train_step(PROMPT)
+
+    killed = []
+
+    def on_phase(phase: str) -> None:
+        if phase == "transfer" and not killed:
+            killed.append(fleet.trainers[3].process.pid)
+            fleet.trainers[3].kill()
+
+    sync.on_phase = on_phase
+    try:
+        with pytest.raises(RefitWorkerError, match="trainer rank 3"):
+            sync.sync_weights()
+    finally:
+        sync.on_phase = None
+    assert killed
+    for shard in range(2):
+        _check(fleet, shard, before)
+
+
 def test_vllm_weight_transfer_api_with_the_refit_backend():
     """vLLM's own protocol: WeightTransferConfig(backend="refit") and refit's trainer engine on 2 trainer ranks."""
     config = vllm_llama_config()
