@@ -157,6 +157,9 @@ class _SynchronizerBase:
         self._rec: Recorder | None = None  # the sync in progress, if any
         self._devices: dict[int, tuple[Any, dict]] = {}  # id(handle) -> (handle, where its tensors live)
         self._bucket_params: dict[int, dict] = {}  # rank -> params of each bucket it sends / receives
+        # shards whose engine could not take verified weights (their commit failed): left out of
+        # every refit until replace_shard hands in a fresh one, though their workers are alive
+        self._quarantined: set[int] = set()
 
     @classmethod
     def from_fleet(cls, fleet: Any, **kwargs: Any):
@@ -208,14 +211,19 @@ class _SynchronizerBase:
         return out
 
     def _dead_shards_now(self) -> list[int]:
-        """Shards with a worker known dead, from the handles alone (no call into the workers)."""
+        """Shards with a worker known dead, from the handles alone (no call into the workers), and the quarantined."""
         dead_trainers = [r for r, w in enumerate(self._trainers) if w.is_dead()]
         if dead_trainers:
             raise RefitWorkerError(
                 f"trainer rank(s) {dead_trainers} are dead; trainers are never excluded from the refit "
                 "communicator, so there is nothing to refit from", phase="check",
                 died=[f"trainer rank {r}" for r in dead_trainers])
-        return [s for s, ws in enumerate(self._engines) if any(w.is_dead() for w in ws)]
+        return sorted({s for s, ws in enumerate(self._engines) if any(w.is_dead() for w in ws)} | self._quarantined)
+
+    @property
+    def quarantined_shards(self) -> list[int]:
+        """Shards left out because their engine failed to take verified weights; ``replace_shard`` ends it."""
+        return sorted(self._quarantined)
 
     def _probe(self) -> tuple[list[_Member], list[_Member]]:
         """Ping every worker: (the dead, the alive that did not answer in time).
@@ -464,6 +472,7 @@ class _SynchronizerBase:
                              f"got {len(workers)}")
         old = self._engines[shard]
         self._engines[shard] = [as_worker(h, f"shard {shard} worker {w}") for w, h in enumerate(workers)]
+        self._quarantined.discard(shard)
         if self._built is not None and shard in self._built.shard_prefixes:
             # The live communicator has ranks of the old workers: the membership may read the
             # same, but those ranks are gone, so the next sync must rebuild.
@@ -569,7 +578,18 @@ class _SynchronizerBase:
                 f"{', '.join(dead_trainers)} died during the refit ({failure}); trainers are never excluded "
                 "from the refit communicator, so the fleet cannot recover here", phase=failure.phase,
                 failures=failure.failures, died=[m.label for m in dead]) from failure
-        absent = sorted({m.shard for m in dead})
+        absent = {m.shard for m in dead}
+        if failure.phase == "commit":
+            # The bytes arrived and were verified, but the engine could not take them (its load
+            # failed): its workers answer, yet it cannot be trusted with this or any later refit
+            # until it is replaced. Leave it out, so the others get their weights.
+            shard_of = {m.label: m.shard for m in self._members if m.shard is not None}
+            failed = {shard_of[label] for label in failure.failures if label in shard_of}
+            if failed:
+                self._quarantined |= failed
+                rec.note("quarantine", f"shards {sorted(failed)}: commit failed; left out until replace_shard")
+            absent |= failed
+        absent = sorted(absent)
         if not absent:
             names = ", ".join(m.label for m in silent)
             hint = (f" {names} did not answer a liveness ping within {self.ping_timeout_s:g}s: frozen or wedged, "

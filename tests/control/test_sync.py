@@ -242,6 +242,42 @@ def test_frozen_rank_raises_no_absent_shard_in_bounded_time(synced):
     assert wrong_weights(engines, 2) == {}
 
 
+class FailingLoadEngine(SyntheticEngine):
+    """An engine whose load of verified weights fails while ``broken`` is set (a bug, a full device)."""
+
+    broken = False
+
+    def on_weights_loaded(self):
+        if self.broken:
+            raise RuntimeError("the engine could not load the new weights")
+        super().on_weights_loaded()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_that_cannot_take_its_weights_is_named_and_left_out_until_replaced(synced):
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 2, 1)
+    failing = FailingLoadEngine(1, 0, 1, hidden=HIDDEN)
+    sync.replace_shard(1, [failing])
+    engines[1] = [failing]
+    sync.init_communicator()
+    failing.broken = True
+    set_step(trainers, 1)
+    res = sync.sync_weights()
+    assert res.recovered and res.shards == [0] and res.absent_shards == [1]
+    assert "shard 1 worker 0" in res.failure and "could not load" in res.failure
+    assert sync.quarantined_shards == [1] and wrong_weights(engines, 1, shards=[0]) == {}
+    set_step(trainers, 2)
+    res = sync.sync_weights()  # still left out, though its worker answers
+    assert not res.recovered and res.shards == [0] and wrong_weights(engines, 2, shards=[0]) == {}
+    fresh = [SyntheticEngine(1, 0, 1, hidden=HIDDEN)]
+    sync.replace_shard(1, fresh)
+    engines[1] = fresh
+    assert sync.quarantined_shards == []
+    set_step(trainers, 3)
+    res = sync.sync_weights()
+    assert res.rebuilt and res.shards == [0, 1] and wrong_weights(engines, 3) == {}
+
+
 class Straggler:
     """An endpoint whose calls finish only when the test opens their gate."""
 
