@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 from refit.errors import RefitError
 
-__all__ = ["FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle", "WorkerTimeout"]
+__all__ = ["FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle", "WorkerTimeout",
+           "pid_alive", "sendable_error"]
 
 
 class WorkerDied(RefitError):
@@ -217,6 +218,21 @@ class ProcessWorker:
         return f"ProcessWorker({self.name}{', dead' if self.dead else ''})"
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then ppid), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not), from ``/proc``."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid``, from ``/proc`` (empty where there is no ``/proc``)."""
     children: dict[int, list[int]] = {}
@@ -225,12 +241,9 @@ def _descendants(pid: int) -> list[int]:
     except OSError:
         return []
     for e in entries:
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(e))
+        fields = _stat_fields(int(e))
+        if fields and len(fields) > 1 and fields[1].isdigit():
+            children.setdefault(int(fields[1]), []).append(int(e))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -254,7 +267,7 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None
             try:
                 conn.send((call_id, True, getattr(endpoint, method)(*a, **kw)))
             except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-                conn.send((call_id, False, _sendable(e, traceback.format_exc())))
+                conn.send((call_id, False, sendable_error(e, traceback.format_exc())))
     finally:
         teardown = getattr(endpoint, "refit_teardown", None)
         if teardown is not None:
@@ -262,7 +275,7 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None
         conn.close()
 
 
-def _sendable(e: BaseException, tb: str) -> BaseException:
+def sendable_error(e: BaseException, tb: str) -> BaseException:
     """The exception itself when it survives pickling, else a ``RefitError`` carrying its text."""
     try:
         pickle.loads(pickle.dumps(e))

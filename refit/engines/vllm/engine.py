@@ -30,7 +30,7 @@ from typing import Any
 
 from refit.engines.vllm.extension import EXTENSION, KEY_ENV, new_key, open_sealed, seal
 from refit.errors import RefitError
-from refit.runtime.handles import FuturePending, WorkerDied
+from refit.runtime.handles import FuturePending, WorkerDied, pid_alive
 
 __all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost"]
 
@@ -144,14 +144,6 @@ def _unwrap(answer: tuple[bool, Any]) -> Any:
     return value
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 class VllmEngine:
     """One generation shard: a handle to a ``VllmEngineHost`` seen as ``tp`` worker handles.
 
@@ -181,7 +173,7 @@ class VllmEngine:
     def dead(self) -> bool:
         if self.host.is_dead():
             return True
-        return self._local and not all(_pid_alive(p) for p in self.worker_pids)
+        return self._local and not all(pid_alive(p) for p in self.worker_pids)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A call to the host itself (``generate``, ``prompt_logprobs``, ``receive_modes``)."""

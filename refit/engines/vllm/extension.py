@@ -23,6 +23,7 @@ import traceback
 from typing import Any
 
 from refit.errors import RefitError
+from refit.runtime.handles import sendable_error
 
 __all__ = ["EXTENSION", "KEY_ENV", "RefitWorkerExtension", "new_key", "open_sealed", "seal"]
 
@@ -90,12 +91,4 @@ class RefitWorkerExtension:
             ep = self._refit_endpoint()
             return seal((True, getattr(ep, method)(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, sealed
-            return seal((False, _sendable(e, traceback.format_exc())))
-
-
-def _sendable(e: BaseException, tb: str) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001
-        return RefitError(f"{type(e).__name__}: {e}\n{tb}")
+            return seal((False, sendable_error(e, traceback.format_exc())))
