@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import statistics
@@ -422,15 +423,59 @@ def nixl_rank(group, cfg: dict) -> dict:
     return out
 
 
+_IPC_CLASSES = ("torch.Tensor", "torch.nn.parameter.Parameter", "torch.storage.UntypedStorage",
+                "torch.UntypedStorage", "torch.storage.TypedStorage")
+
+
+def _ipc_export(reduced) -> list:
+    """torch's CUDA IPC reduction of a tensor, as data: classes and dtypes by name.
+
+    The store carries data only (it is never unpickled), so the rebuild function and
+    classes of ``reduce_tensor`` travel as names and are looked up in a fixed list.
+    """
+    rebuild, args = reduced
+    if rebuild.__name__ != "rebuild_cuda_tensor":
+        raise RuntimeError(f"expected a CUDA tensor's IPC reduction, got {rebuild.__name__}")
+    out = []
+    for a in args:
+        if isinstance(a, type):
+            out.append({"class": f"{a.__module__}.{a.__qualname__}"})
+        elif isinstance(a, torch.dtype):
+            out.append({"dtype": str(a).removeprefix("torch.")})
+        elif isinstance(a, torch.Size):
+            out.append(tuple(int(x) for x in a))
+        else:
+            out.append(a)
+    return out
+
+
+def _ipc_import(args: list) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    real = []
+    for a in args:
+        if isinstance(a, dict) and "class" in a:
+            if a["class"] not in _IPC_CLASSES:
+                raise RuntimeError(f"IPC handle names class {a['class']!r}, not one of {_IPC_CLASSES}")
+            module, _, name = a["class"].rpartition(".")
+            real.append(getattr(importlib.import_module(module), name))
+        elif isinstance(a, dict) and "dtype" in a:
+            real.append(getattr(torch, a["dtype"]))
+        else:
+            real.append(a)
+    return rebuild_cuda_tensor(*real)
+
+
 def _ipc_pull(group, src, dst, names, cfg) -> dict:
     """Rank 1 maps rank 0's tensors (CUDA IPC) and copies them into its views with copy engines."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     dev = group.device
-    handles = group.broadcast_object({n: reduce_tensor(t) for n, t in src.items()} if group.rank == 0 else None, 0)
+    exported = {n: _ipc_export(reduce_tensor(t)) for n, t in src.items()} if group.rank == 0 else None
+    handles = group.broadcast_object(exported, 0)
     out = {}
     if group.rank == 1:
-        mapped = {n: fn(*args) for n, (fn, args) in handles.items()}
+        mapped = {n: _ipc_import(args) for n, args in handles.items()}
         same_dtype = all(mapped[n].dtype == dst[n].dtype for n, _ in names)
         out["same_dtype"] = same_dtype
         stream = torch.cuda.Stream(device=dev)

@@ -125,10 +125,11 @@ def _connect_tp(fleet, shard, timeout_s):
     import ray
 
     from refit.comm.group import free_port
+    from refit.comm.rendezvous import new_secret
 
     if fleet.shard_sizes[shard] > 1:
-        port = free_port()
-        ray.get([w.connect_tp.remote(port) for w in fleet.engines[shard]], timeout=timeout_s)
+        port, secret = free_port(), new_secret()
+        ray.get([w.connect_tp.remote(port, secret=secret) for w in fleet.engines[shard]], timeout=timeout_s)
 
 
 def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:

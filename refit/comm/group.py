@@ -34,8 +34,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refit.comm import nccl
+from refit.comm import nccl, wire
 from refit.comm.base import Communicator, GroupAborted, free_port
+from refit.comm.rendezvous import (
+    OpenStore,
+    RendezvousTampered,
+    SealedStore,
+    bind_listener,
+    local_address_towards,
+    resolve_secret,
+)
 from refit.errors import RefitError, TransportError
 
 log = logging.getLogger(__name__)
@@ -57,7 +65,9 @@ def pickle_vllm_unique_id(unique_id_bytes: bytes) -> bytes:
     """Serialize an NCCL unique id in vLLM's metadata wire format.
 
     A vLLM rank reads the id with ``pickle.loads`` of its own ``ncclUniqueId`` ctypes
-    structure. Trainers do not install vLLM, so the same structure is pickled under its
+    structure. This is the one value refit writes for a reader that unpickles it, and
+    only because vLLM's protocol requires it; refit itself never reads it. Trainers do
+    not install vLLM, so the same structure is pickled under its
     canonical module name, which is put in ``sys.modules`` only while pickling (under a
     lock, and removed again unless vLLM itself is loaded).
     """
@@ -126,6 +136,13 @@ class StatelessProcessGroup:
     add one later with ``init_nccl_communicator``. CUDA tensors then go over NCCL, CPU
     tensors over gloo (when the group has one).
 
+    ``secret`` (bytes, or hex text; default: the ``REFIT_RENDEZVOUS_SECRET`` environment
+    variable) authenticates every value exchanged through the store: pass the same fresh
+    secret to every rank of one build, through a channel you trust (refit's controller
+    does, every build). Without one, values are still decoded as data only, never
+    unpickled, but a stranger on the port could pass one off as a rank's. The store and
+    gloo listen on the interface of ``master_address`` only.
+
     NCCL operations are stream-ordered: ``broadcast`` and ``p2p_group`` return once the
     work is queued on the stream (the current one unless ``stream`` is given), and work
     queued on that stream afterwards sees the result. ``isend``/``irecv`` return a work
@@ -145,6 +162,7 @@ class StatelessProcessGroup:
         device: Any = None,
         peer: str = "nemo",
         init_timeout_s: float | None = None,
+        secret: bytes | str | None = None,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise RefitError(f"StatelessProcessGroup: rank {rank} is outside world size {world_size}")
@@ -157,7 +175,7 @@ class StatelessProcessGroup:
         self.port = port
         self.peer = peer
         self.init_timeout_s = init_timeout_s if init_timeout_s is not None else min(timeout_s, 120.0)
-        self._connect()
+        self._connect(resolve_secret(secret))
         if backend == "nccl":
             try:
                 self.init_nccl_communicator(device, peer=peer)
@@ -181,25 +199,39 @@ class StatelessProcessGroup:
         self._deadline: float | None = None
         self._pg = None
         self._nccl = None
-        self.store = None
+        self.store: SealedStore | None = None
+        self.authenticated = False
 
-    def _connect(self) -> None:
+    def _connect(self, secret: bytes | None) -> None:
+        hosting = self.rank == 0
+        listener = bind_listener(self.master_address, self.port) if hosting else None
         try:
-            self.store = dist.TCPStore(
-                self.master_address, self.port, self.world_size, self.rank == 0,
-                timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False,
+            extra = {"master_listen_fd": listener.fileno()} if hosting else {}
+            tcp = dist.TCPStore(
+                self.master_address, self.port, self.world_size, hosting,
+                timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False, **extra,
             )
         except Exception as e:  # torch raises RuntimeError/DistNetworkError subclasses
+            if listener is not None:
+                listener.close()
             raise RefitError(
                 f"StatelessProcessGroup rank {self.rank}/{self.world_size}: cannot "
-                f"{'host' if self.rank == 0 else 'reach'} the rendezvous store at "
+                f"{'host' if hosting else 'reach'} the rendezvous store at "
                 f"{self.master_address}:{self.port}: {e}"
             ) from e
+        if listener is not None:
+            listener.detach()  # the store owns the socket now, and closes it
+        self.store = SealedStore(tcp, secret) if secret is not None else OpenStore(tcp)
+        self.authenticated = secret is not None
         if self.backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"{self.name}/gloo", self.store), self.rank, self.world_size,
-                timedelta(seconds=self.timeout_s),
-            )
+            self._pg = self._gloo_group(f"{self.name}/gloo", self.rank, self.world_size)
+
+    def _gloo_group(self, prefix: str, rank: int, world_size: int):
+        """A gloo group whose pairs listen on the interface that routes to the master only."""
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=self.timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(self.master_address))]
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, world_size, opts)
 
     # -- NCCL ---------------------------------------------------------------------------------
     def init_nccl_communicator(self, device: Any = None, *, peer: str = "nemo", timeout_s: float | None = None) -> None:
@@ -234,8 +266,8 @@ class StatelessProcessGroup:
         if self.rank == 0:
             uid = lib.unique_id()
             self.store.set(_NEMO_UNIQUE_ID_KEY, uid)
-            if peer == "vllm":
-                self.store.set(_VLLM_UNIQUE_ID_KEY, pickle_vllm_unique_id(uid))
+            if peer == "vllm":  # vLLM's ranks read this key raw and unpickle it: its protocol, not ours
+                self.store.set_unsealed(_VLLM_UNIQUE_ID_KEY, pickle_vllm_unique_id(uid))
         else:
             self._wait_keys([_NEMO_UNIQUE_ID_KEY], deadline, limit, "rank 0 never published the NCCL unique id")
             uid = self.store.get(_NEMO_UNIQUE_ID_KEY)
@@ -337,15 +369,23 @@ class StatelessProcessGroup:
 
     # -- object exchange over the store ---------------------------------------------------
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Gather one picklable object from every rank, through the store (no tensor collective)."""
+        """Gather one value from every rank, through the store (no tensor collective).
+
+        Values travel in ``refit.comm.wire``'s data-only format (numbers, strings, bytes,
+        lists, tuples, dicts, numeric arrays, registered records) and, with a secret,
+        authenticated: what a rank reads can neither run code nor come from a stranger.
+        """
         if self._aborted.is_set():
             raise GroupAborted(f"all_gather_object on an aborted communicator (rank {self.rank})")
+        payload = wire.pack(obj)  # before the sequence moves: a value that is not data fails alone
         self._seq += 1
         prefix = f"{self.name}/ago/{self._seq}"
-        self.store.set(f"{prefix}/{self.rank}", pickle.dumps(obj))
+        self.store.set(f"{prefix}/{self.rank}", payload)
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
             values = self.store.multi_get(keys)
+        except RendezvousTampered:
+            raise
         except Exception as e:
             raise TransportError(
                 f"all_gather_object rank {self.rank}: a peer did not publish within {self.timeout_s}s: {e}"
@@ -353,7 +393,7 @@ class StatelessProcessGroup:
         if self.store.add(f"{prefix}/read", 1) == self.world_size:
             for k in keys + [f"{prefix}/read"]:
                 self.store.delete_key(k)
-        return [pickle.loads(v) for v in values]
+        return [wire.unpack(v) for v in values]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         return self.all_gather_object(obj if self.rank == src else None)[src]
@@ -515,10 +555,7 @@ class StatelessProcessGroup:
                 child._nccl, child.device = sub, self.device
         if child is not None:
             if self._pg is not None:
-                child._pg = dist.ProcessGroupGloo(
-                    dist.PrefixStore(f"{child.name}/gloo", self.store), child.rank, child.world_size,
-                    timedelta(seconds=self.timeout_s),
-                )
+                child._pg = self._gloo_group(f"{child.name}/gloo", child.rank, child.world_size)
             self.children.append(child)
         return child
 
@@ -620,9 +657,21 @@ class TorchGroupComm:
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
 
     def all_gather_object(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """Gather one value from every rank in ``refit.comm.wire``'s format, as bytes in tensors.
+
+        Not torch's ``all_gather_object``: that one unpickles what every peer sent.
+        """
+        payload = torch.frombuffer(bytearray(wire.pack(obj)), dtype=torch.uint8)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.stream_ordered else torch.device("cpu")
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: payload.numel()] = payload.to(device)
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return [wire.unpack(g[: int(n.item())].cpu().numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from refit.comm.rendezvous import new_secret
 from refit.control.errors import NoAbsentShard, RefitWorkerError
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import brief, settle_before_propagating, wait_any
@@ -358,11 +359,13 @@ class _SynchronizerBase:
         root = members[0]
         backend = self._backend_for(members, timeout)
         addr, port = self._round("rendezvous", {root: root.worker.call("refit_rendezvous")}, timeout)[root]
+        secret = new_secret()
         calls = {}
         for m in members:
             size = None if m.shard is None else membership.shard_size(m.shard)
             spec = ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
-                               mesh_offset=m.first_rank, mesh_size=size, label=m.label, backend=backend)
+                               mesh_offset=m.first_rank, mesh_size=size, label=m.label, backend=backend,
+                               secret=secret)
             calls[m] = m.worker.call("refit_connect", spec)
         rosters = self._round("connect", calls, timeout + connect_s, stragglers_s=connect_s)
         by_rank = {m.rank: rosters[m] for m in members}

@@ -109,6 +109,9 @@ class ConnectSpec:
     mesh_size: int | None = None  # an engine's meshes must stay within its own shard
     label: str = ""
     backend: str = "gloo"
+    # authenticates every value of this build's rendezvous; new every build, and handed over
+    # only through the controller's own channel to the worker (an actor call, a pipe)
+    secret: bytes | None = field(default=None, repr=False)
 
 
 class _OneShotCorruption:
@@ -288,6 +291,7 @@ class _RefitEndpoint:
                 st.group = StatelessProcessGroup(
                     spec.address, spec.port, spec.rank, spec.world_size,
                     backend=spec.backend, timeout_s=spec.timeout_s, name=f"refit/{spec.epoch}", device=device,
+                    secret=spec.secret,
                 )
             except Exception as e:
                 raise TransportError(f"{self._refit_label()}: could not join the refit communicator "

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from refit.comm.group import free_port
+from refit.comm.rendezvous import new_secret
 from refit.errors import LayoutError
 from refit.models.megatron import Entry, MegatronLayout
 from refit.models.parallel import TrainParallel
@@ -49,13 +50,15 @@ class Topology:
     engine_ports: tuple[int, ...] = ()
     trainer_dp: int = 1
     trainer_tp: int = 1
+    engine_secret: bytes | None = None  # authenticates the engines' TP rendezvous
 
     @classmethod
     def make(cls, *, engine_tps: Sequence[int], dp: int = 1, tp: int = 1,
              trainer_world: int | None = None) -> Topology:
         world = dp * tp if trainer_world is None else trainer_world
         return cls(trainer_world=world, engine_tps=tuple(engine_tps), trainer_port=free_port(),
-                   engine_ports=tuple(free_port() if t > 1 else 0 for t in engine_tps), trainer_dp=dp, trainer_tp=tp)
+                   engine_ports=tuple(free_port() if t > 1 else 0 for t in engine_tps), trainer_dp=dp, trainer_tp=tp,
+                   engine_secret=new_secret())
 
     @property
     def world(self) -> int:
@@ -95,7 +98,7 @@ def _engine(topo: Topology, rank: int, config: Mapping[str, Any], qkv: str,
     tp = topo.engine_tps[shard]
     if tp_comm == "stateless":
         port = topo.engine_ports[shard] if tp > 1 else None
-        return EngineWorker(shard, tp_rank, tp, config=config, qkv=qkv, tp_port=port,
+        return EngineWorker(shard, tp_rank, tp, config=config, qkv=qkv, tp_port=port, tp_secret=topo.engine_secret,
                             expert_parallel=expert_parallel), shard, tp_rank
     if tp_comm != "torch":
         raise LayoutError(f"tp_comm must be 'torch' or 'stateless', got {tp_comm!r}")

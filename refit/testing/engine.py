@@ -329,13 +329,15 @@ class EngineWorker(EngineShard):
 
     ``config`` is an HF config or its ``to_dict()`` (transformers is not imported). A shard of
     more than one worker needs its TP group: give ``tp_port`` (a ``StatelessProcessGroup``
-    rendezvous hosted by worker 0 of the shard), or call ``connect_tp`` later, e.g. after a
-    restart, with a fresh port. ``share_gpus=G`` puts worker ``w`` of shard ``s`` on GPU
+    rendezvous hosted by worker 0 of the shard, with ``tp_secret``, the same fresh secret on
+    every worker of the shard), or call ``connect_tp`` later, e.g. after a restart, with a
+    fresh port and secret. ``share_gpus=G`` puts worker ``w`` of shard ``s`` on GPU
     ``(s + w) % G`` of the host (``shared_gpu``), so a shard's workers never share one.
     """
 
     def __init__(self, shard: int, worker: int, workers_per_shard: int, *, config: Any, qkv: str = "plain",
-                 tp_port: int | None = None, tp_addr: str = "127.0.0.1", threads: int = 1, device: str = "cpu",
+                 tp_port: int | None = None, tp_addr: str = "127.0.0.1", tp_secret: bytes | str | None = None,
+                 threads: int = 1, device: str = "cpu",
                  share_gpus: int | None = None, visible_devices: str | None = None, **kwargs: Any):
         torch.set_num_threads(threads)
         if share_gpus:  # a shard's workers on distinct GPUs (its TP group is NCCL), shards staggered
@@ -348,25 +350,26 @@ class EngineWorker(EngineShard):
         self._tp_group = None
         comm = None
         if workers_per_shard > 1 and tp_port is not None:
-            comm = self._connect(tp_addr, tp_port, worker, workers_per_shard)
+            comm = self._connect(tp_addr, tp_port, worker, workers_per_shard, tp_secret)
         super().__init__(EngineConfig.from_hf(config), tp_size=workers_per_shard, tp_rank=worker,
                          comm=comm if comm is not None else _Unconnected(), qkv=qkv, **kwargs)
         if workers_per_shard == 1:
             self.comm = None
 
-    def _connect(self, addr: str, port: int, worker: int, workers: int) -> StatelessTPComm:
+    def _connect(self, addr: str, port: int, worker: int, workers: int, secret: bytes | str | None) -> StatelessTPComm:
         from refit.comm.group import StatelessProcessGroup
 
         if self._tp_group is not None:
             self._tp_group.abort()
         cuda = self.device.type == "cuda"
         self._tp_group = StatelessProcessGroup(addr, port, worker, workers, name=f"engine-tp/{self.shard}",
-                                               backend="nccl" if cuda else "gloo", device=self.device if cuda else None)
+                                               backend="nccl" if cuda else "gloo", device=self.device if cuda else None,
+                                               secret=secret)
         return StatelessTPComm(self._tp_group)
 
-    def connect_tp(self, port: int, addr: str = "127.0.0.1") -> None:
-        """(Re)build this shard's TP group; every worker of the shard calls it with the same port."""
-        self.comm = self._connect(addr, port, self.rank, self.tp)
+    def connect_tp(self, port: int, addr: str = "127.0.0.1", secret: bytes | str | None = None) -> None:
+        """(Re)build this shard's TP group; every worker of the shard calls it with the same port and secret."""
+        self.comm = self._connect(addr, port, self.rank, self.tp, secret)
 
     def close(self) -> None:
         """Abort this worker's TP group (idempotent)."""

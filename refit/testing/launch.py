@@ -17,6 +17,7 @@ from multiprocessing.connection import wait as wait_conns
 from typing import Any
 
 from refit.comm.group import StatelessProcessGroup, free_port
+from refit.comm.rendezvous import new_secret
 from refit.errors import RefitError
 
 
@@ -50,11 +51,11 @@ def serve_requests(conn, call: Callable[[Callable[..., Any], tuple, dict], Any])
             conn.send(("err", (type(e).__name__, traceback.format_exc())))
 
 
-def _worker(rank: int, world_size: int, port: int, conn, threads: int) -> None:
+def _worker(rank: int, world_size: int, port: int, secret: bytes, conn, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    group = StatelessProcessGroup("127.0.0.1", port, rank, world_size, timeout_s=120)
+    group = StatelessProcessGroup("127.0.0.1", port, rank, world_size, timeout_s=120, secret=secret)
     try:
         serve_requests(conn, lambda fn, args, kwargs: fn(group, *args, **kwargs))
     finally:
@@ -67,15 +68,15 @@ class LocalFleet:
         self._start(world_size, _worker, (threads_per_rank,), start_timeout_s)
 
     def _start(self, world_size: int, target: Callable[..., None], extra: tuple, start_timeout_s: float) -> None:
-        """One spawned process per rank running ``target(rank, world_size, port, conn, *extra)``."""
+        """One spawned process per rank running ``target(rank, world_size, port, secret, conn, *extra)``."""
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        port = free_port()
+        port, secret = free_port(), new_secret()
         self._conns = []
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=target, args=(rank, world_size, port, child, *extra), daemon=True)
+            p = ctx.Process(target=target, args=(rank, world_size, port, secret, child, *extra), daemon=True)
             p.start()
             child.close()
             self._conns.append(parent)
@@ -150,16 +151,17 @@ def _ready(group) -> int:
 
 # -- a fleet of GPU processes ------------------------------------------------------------------
 
-def rebuild_group(group, port: int, peer: str | None = None, init_timeout_s: float = 60.0):
+def rebuild_group(group, port: int, secret: bytes, peer: str | None = None, init_timeout_s: float = 60.0):
     """Special job for ``DeviceFleet.rebuild``: abort this rank's group and join a new one."""
     if group is not None:
         group.abort()
     return StatelessProcessGroup("127.0.0.1", port, group.rank, group.world_size, backend="nccl",
                                  device=group.device, peer=peer or group.peer, timeout_s=120,
-                                 init_timeout_s=init_timeout_s)
+                                 init_timeout_s=init_timeout_s, secret=secret)
 
 
-def _device_worker(rank: int, world_size: int, port: int, conn, peer: str, init_timeout_s: float) -> None:
+def _device_worker(rank: int, world_size: int, port: int, secret: bytes, conn, peer: str,
+                   init_timeout_s: float) -> None:
     import torch
 
     dev = rank % max(torch.cuda.device_count(), 1)
@@ -167,7 +169,8 @@ def _device_worker(rank: int, world_size: int, port: int, conn, peer: str, init_
     state: dict[str, Any] = {}
     try:
         state["group"] = StatelessProcessGroup("127.0.0.1", port, rank, world_size, backend="nccl", device=dev,
-                                               peer=peer, timeout_s=120, init_timeout_s=init_timeout_s)
+                                               peer=peer, timeout_s=120, init_timeout_s=init_timeout_s,
+                                               secret=secret)
     except BaseException as e:  # noqa: BLE001 - reported on every request
         state["error"] = e
 
@@ -196,4 +199,4 @@ class DeviceFleet(LocalFleet):
 
     def rebuild(self, peer: str | None = None, timeout_s: float = 120.0) -> None:
         """Every rank aborts its group and joins a new one on a fresh port."""
-        self.run(rebuild_group, free_port(), peer, timeout_s=timeout_s)
+        self.run(rebuild_group, free_port(), new_secret(), peer, timeout_s=timeout_s)

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from refit.comm.wire import register_record
 from refit.errors import PlanError, RefitAborted, RefitError, TransportError
 from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
@@ -180,6 +181,9 @@ class NixlRosterEntry:
     def __repr__(self) -> str:  # metadata is a few KB of binary
         return (f"NixlRosterEntry(rank={self.rank}, agent={self.agent_name!r}, {len(self.recv_descs)} recv "
                 f"descriptors, digest={self.digest})")
+
+
+register_record(NixlRosterEntry)  # ranks exchange it through the rendezvous store, as data
 
 
 def _digest(agent_name: str, mem_type: str, descs: Mapping[tuple[int, int], tuple[int, int, int]]) -> str:

@@ -20,6 +20,7 @@ from helpers import vllm_jobs  # noqa: E402
 
 from refit import RefitVerificationError, ReshardWeightSynchronizer  # noqa: E402
 from refit.comm.group import free_port  # noqa: E402
+from refit.comm.rendezvous import new_secret  # noqa: E402
 from refit.testing.vllm import VllmFleet, vllm_llama_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -147,13 +148,14 @@ def test_vllm_weight_transfer_api_with_the_refit_backend():
     config = vllm_llama_config()
     ctx = mp.get_context("spawn")
     port = free_port("127.0.0.1")
+    secret = new_secret().hex()  # every trainer rank gets it from this launcher; the engines through vLLM's API
     with tempfile.TemporaryDirectory() as model_dir:
         config.save_pretrained(model_dir)
         conns, procs = [], []
         for rank in range(2):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=vllm_jobs.trainer_rank,
-                            args=(child, rank, 2, port, config.to_dict(), model_dir, 2, 2), daemon=False)
+                            args=(child, rank, 2, port, config.to_dict(), model_dir, 2, 2, secret), daemon=False)
             p.start()
             child.close()
             conns.append(parent)

@@ -36,7 +36,8 @@ def _shards(model, rank: int, world: int) -> dict:
     return out
 
 
-def trainer_rank(conn, rank: int, world: int, port: int, config_dict: dict, model_dir: str, tp: int, steps: int):
+def trainer_rank(conn, rank: int, world: int, port: int, config_dict: dict, model_dir: str, tp: int, steps: int,
+                 secret: str):
     """Run ``steps`` refits through vLLM's API; rank 0 reports the engine against HF after each."""
     torch.set_num_threads(1)
     from refit.engines.vllm.transfer_engine import RefitTrainerInitInfo, RefitWeightSource
@@ -46,7 +47,7 @@ def trainer_rank(conn, rank: int, world: int, port: int, config_dict: dict, mode
         current = {"shards": _shards(_model(config_dict, 0), rank, world)}
         source = RefitWeightSource(lambda: current["shards"])
         info = RefitTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port,
-                                    trainer_world_size=world, engine_world_size=tp, timeout_s=120.0)
+                                    trainer_world_size=world, engine_world_size=tp, timeout_s=120.0, secret=secret)
         llm = client = None
         if rank == 0:
             from vllm import LLM

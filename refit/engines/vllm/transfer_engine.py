@@ -6,7 +6,7 @@ shard-to-shard refits with one config value on the engine,
 
     source = RefitWeightSource(lambda: trainer.refit_sources())   # {name: (local, shape, mesh, placements)}
     engine = WeightTransferTrainerFactory.trainer_init(
-        RefitTrainerInitInfo(rank=rank, master_address=addr, master_port=port,
+        RefitTrainerInitInfo(rank=rank, master_address=addr, master_port=port, secret=secret_hex,
                              trainer_world_size=world, engine_world_size=tp * engines),
         client=RayVLLMWeightSyncClient(llm_actor), source=source)
     engine.send_weights()            # every step, on every trainer rank
@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from refit.comm.rendezvous import resolve_secret
 from refit.control.verify import verify_checksums
 from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
 from refit.errors import RefitError
@@ -62,6 +63,7 @@ class RefitInitInfo(WeightTransferInitInfo):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     verify: bool = True
     receive_mode: str = "auto"
+    secret: str | None = None  # hex; authenticates the rendezvous (see RefitTrainerInitInfo)
 
 
 @dataclass
@@ -73,7 +75,13 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
 
 @dataclass
 class RefitTrainerInitInfo(TrainerInitInfo):
-    """Trainer side: the rendezvous (hosted by trainer rank 0) and the sizes of both sides."""
+    """Trainer side: the rendezvous (hosted by trainer rank 0) and the sizes of both sides.
+
+    ``secret`` (hex, e.g. ``refit.comm.rendezvous.new_secret().hex()``, the same on every
+    trainer rank) authenticates every value of the rendezvous; it reaches the engines
+    through vLLM's own ``init_weight_transfer_engine`` call. Without one, the
+    ``REFIT_RENDEZVOUS_SECRET`` environment variable of each process is used, if set.
+    """
 
     backend: ClassVar[str] = BACKEND
     master_address: str
@@ -84,6 +92,7 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     verify: bool = True
     receive_mode: str = "auto"
+    secret: str | None = None
 
 
 class RefitWeightSource(WeightSource):
@@ -197,7 +206,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                                            device=self.device, receive_mode=init_info.receive_mode,
                                            quantized=self.model_config.quantization is not None)
         spec = ConnectSpec(init_info.master_address, init_info.master_port, first + tp_rank, init_info.world_size,
-                           1, init_info.timeout_s, mesh_offset=first, mesh_size=tp, label=f"vLLM worker {tp_rank}")
+                           1, init_info.timeout_s, mesh_offset=first, mesh_size=tp, label=f"vLLM worker {tp_rank}",
+                           secret=resolve_secret(init_info.secret))
         self.params = _build(self.endpoint, spec, bucket_bytes=init_info.bucket_bytes)
         self.labels = _labels(init_info.rank_offset, init_info.world_size)
 
@@ -244,10 +254,10 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         engine.endpoint = _SourceEndpoint(source)
         engine.steps = 0
         spec = ConnectSpec(info.master_address, info.master_port, info.rank, engine.world_size, 1, info.timeout_s,
-                           label=f"trainer rank {info.rank}")
+                           label=f"trainer rank {info.rank}", secret=resolve_secret(info.secret))
         worker_info = RefitInitInfo(info.master_address, info.master_port, info.trainer_world_size,
                                     engine.world_size, info.timeout_s, info.bucket_bytes, info.verify,
-                                    info.receive_mode)
+                                    info.receive_mode, info.secret)
         engine.params = engine._with_engines(lambda: client.init_weight_transfer_engine(asdict(worker_info)),
                                              lambda: _build(engine.endpoint, spec, bucket_bytes=info.bucket_bytes))
         engine.labels = _labels(info.trainer_world_size, engine.world_size)

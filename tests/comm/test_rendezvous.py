@@ -1,0 +1,201 @@
+"""A stranger on the rendezvous port can neither inject a value nor make a rank run anything.
+
+The store listens on the master address's interface only, every value is sealed with the
+build's secret, and what a rank reads is decoded as data, never unpickled.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+from datetime import timedelta
+from multiprocessing.connection import wait as wait_conns
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+from helpers import rendezvous_jobs
+
+from refit import Replicate, Shard
+from refit.comm import wire
+from refit.comm.group import free_port
+from refit.comm.rendezvous import RendezvousTampered, SealedStore, new_secret, resolve_secret
+from refit.layout import StridedShard
+from refit.plan import RosterEntry
+
+
+class _Payload:
+    """Unpickling this creates ``path``: proof that a rank ran a stranger's code."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _recv(conn, timeout_s: float = 60.0):
+    if not wait_conns([conn], timeout_s):
+        raise TimeoutError("a rank did not answer")
+    return conn.recv()
+
+
+class _Ranks:
+    def __init__(self, secret: bytes | None):
+        ctx = mp.get_context("spawn")
+        self.port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(2):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=rendezvous_jobs.exchange_after_go, args=(child, rank, self.port, secret),
+                            daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.pids = []
+        for c in self.conns:
+            kind, value = _recv(c)
+            assert kind == "joined", value
+            self.pids.append(value)
+
+    def go(self, ranks=(0, 1)) -> dict[int, tuple]:
+        for r in ranks:
+            self.conns[r].send("go")
+        return {r: _recv(self.conns[r]) for r in ranks}
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send("leave")
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def _stranger(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["sealed", "no-secret"])
+def test_a_stranger_cannot_make_a_rank_run_code_or_take_a_value(secret):
+    ranks = _Ranks(new_secret() if secret else None)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            marker = os.path.join(tmp, "ran")
+            stranger = _stranger(ranks.port)
+            # rank 1's next value, published before rank 1 writes it: rank 0 reads it first
+            stranger.set("refit/ago/1/1", pickle.dumps(_Payload(marker)))
+            got = ranks.go(ranks=(0,))[0]
+            assert got[0] == "error", got
+            if secret:
+                assert "RendezvousTampered" in got[1] and "refit/ago/1/1" in got[1]
+            else:
+                assert "WireFormatError" in got[1]
+            assert not os.path.exists(marker), "a rank unpickled a stranger's value"
+    finally:
+        ranks.close()
+
+
+def test_a_stranger_cannot_forge_a_value_in_the_format_without_the_secret():
+    ranks = _Ranks(new_secret())
+    try:
+        forged = wire.pack({"rank": 1})
+        stranger = _stranger(ranks.port)
+        stranger.set("refit/ago/1/1", b"\0" * 32 + forged)  # well-formed data, a MAC it could not compute
+        got = ranks.go(ranks=(0,))[0]
+        assert got[0] == "error" and "RendezvousTampered" in got[1], got
+    finally:
+        ranks.close()
+
+
+def test_sealed_ranks_exchange_and_listen_on_loopback_only():
+    ranks = _Ranks(new_secret())
+    try:
+        got = ranks.go()
+        assert all(g == ("gathered", [{"rank": 0}, {"rank": 1}]) for g in got.values()), got
+        listening = {pid: _listening_addresses(pid) for pid in ranks.pids}
+        assert ranks.port in {port for addrs in listening.values() for _, port in addrs}
+        for pid, addrs in listening.items():
+            assert addrs, f"rank process {pid} listens on nothing (store and gloo pairs expected)"
+            wide = [a for a in addrs if a[0] not in ("127.0.0.1", "::1")]
+            assert not wide, f"rank process {pid} listens beyond loopback: {wide}"
+    finally:
+        ranks.close()
+
+
+def _listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket that process ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                local, state, inode = parts[1], parts[3], parts[9]
+                if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                    continue
+                hex_addr, hex_port = local.split(":")
+                raw = bytes.fromhex(hex_addr)
+                if family == socket.AF_INET:
+                    raw = raw[::-1]
+                else:  # four little-endian 32-bit words
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                out.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return out
+
+
+def test_sealed_store_refuses_values_moved_between_keys():
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = SealedStore(host, new_secret())
+    store.set("a", b"value of a")
+    assert store.get("a") == b"value of a"
+    host.set("b", host.get("a"))  # a sealed value replayed under another key
+    with pytest.raises(RendezvousTampered, match="'b'"):
+        store.get("b")
+    other = SealedStore(host, new_secret())  # an earlier build's secret does not open this one's values
+    with pytest.raises(RendezvousTampered):
+        other.get("a")
+
+
+def test_secrets_are_checked():
+    assert resolve_secret(None) is None or os.environ.get("REFIT_RENDEZVOUS_SECRET")
+    s = new_secret()
+    assert resolve_secret(s.hex()) == s
+    with pytest.raises(Exception, match="hex"):
+        resolve_secret("not hex")
+    with pytest.raises(Exception, match="at least 16 bytes"):
+        resolve_secret(b"short")
+
+
+def test_wire_carries_data_and_registered_records_only():
+    entry = RosterEntry.make("w", (4, 8), "float32", np.arange(4).reshape(2, 2), [Shard(0), Replicate()], "src")
+    value = {"entries": [entry], "nested": ((1, 2.5), [None, True, b"\x00\xff"]), 7: {(0, 3): (1, 2, 3)},
+             "placement": StridedShard(0, 2), "big": 2**62}
+    back = wire.unpack(wire.pack(value))
+    assert back["nested"] == ((1, 2.5), [None, True, b"\x00\xff"]) and back[7] == {(0, 3): (1, 2, 3)}
+    assert back["placement"] == StridedShard(0, 2) and back["big"] == 2**62
+    got = back["entries"][0]
+    assert (got.name, got.global_shape, got.placements, got.role) == ("w", (4, 8), [Shard(0), Replicate()], "src")
+    np.testing.assert_array_equal(got.mesh, np.arange(4).reshape(2, 2))
+    with pytest.raises(wire.WireFormatError, match="_Payload cannot be sent"):
+        wire.pack({"x": _Payload("/nonexistent")})
+    with pytest.raises(wire.WireFormatError):
+        wire.unpack(pickle.dumps({"x": 1}))
+    with pytest.raises(wire.WireFormatError, match="not registered"):
+        wire.unpack(wire.pack(Shard(0)).replace(b"refit.layout.Shard", b"builtins.eval.....x"[:18]))
