@@ -157,7 +157,7 @@ class StatelessProcessGroup:
         world_size: int,
         *,
         backend: str = "gloo",
-        timeout_s: float = 300.0,
+        timeout_s: float = 60.0,
         name: str = "refit",
         device: Any = None,
         peer: str = "nemo",

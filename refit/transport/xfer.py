@@ -2,24 +2,34 @@
 
 Every rank of ``process_group`` calls it with the same meshes and placements; a rank
 outside a mesh passes ``None`` for that side's tensor. The ranks first exchange a few
-bytes of metadata (shape, dtype, local shape, any local error) so that every bad input
-is rejected on every rank with the same message before a byte moves, then each builds
-its own plan (cached on the roster digest) and executes it.
+bytes of metadata (shape, dtype, local shape, their own view of both meshes and
+placements, any local error) so that every bad input is rejected on every rank with
+the same message before a byte moves, then each builds its own plan (cached on the
+roster digest) and executes it.
+
+Each rank plans from its own arguments, so two ranks that disagree on a mesh's order
+would each build a consistent-looking plan and data would land in the wrong rows with
+no error anywhere; and a rank alone with a bad argument would raise alone and leave
+the others waiting on the wire. Hence the exchange compares every rank's view first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+from collections import defaultdict
 from typing import Any
 
 import torch
 
-from refit.comm.group import as_communicator
-from refit.errors import LayoutError, PlanError, RefitError
+from refit.comm.group import StatelessProcessGroup, as_communicator
+from refit.errors import LayoutError, PlanError, RefitError, TransportError
 from refit.layout import (
     dtype_name,
     local_tensor_of,
+    normalize_mesh,
+    normalize_placements,
 )
 from refit.plan import (
     DEFAULT_BUCKET_BYTES,
@@ -47,18 +57,58 @@ def _side_meta(t: Any, side: str) -> tuple | None:
     return (shape, dtype_name(dtype), tuple(local.shape))
 
 
+def _layout_view(side: str, mesh: Any, placements: Any, world_size: int) -> dict:
+    """This rank's reading of one side's mesh and placements, as data every rank can compare."""
+    if mesh is None:
+        raise LayoutError(f"{side}_mesh: a mesh is required")
+    arr = normalize_mesh(mesh, param=f"{PARAM} ({side}): mesh")
+    ranks = [int(r) for r in arr.reshape(-1)]
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise LayoutError(f"{side}_mesh: rank(s) {bad} outside the process group of world size {world_size}")
+    placed = normalize_placements(placements, param=f"{PARAM} ({side}): placements")
+    return {"mesh": arr.tolist(), "placements": [repr(p) for p in placed]}
+
+
+def _by_rank(values: dict[int, Any]) -> str:
+    groups: dict[str, list[int]] = defaultdict(list)
+    for r, v in values.items():
+        groups[v].append(r)
+    return "; ".join(f"rank(s) {ranks}: {v}" for v, ranks in groups.items())
+
+
+def _raise_local_errors(gathered: list[dict]) -> None:
+    """Every rank raises the same error, naming the ranks where each failure happened."""
+    errors: dict[str, list[int]] = defaultdict(list)
+    for r, g in enumerate(gathered):
+        if g["error"]:
+            errors[g["error"]].append(r)
+    if errors:
+        raise PlanError("; ".join(f"{msg} (on rank(s) {ranks})" for msg, ranks in errors.items()))
+
+
+def _check_views_agree(gathered: list[dict]) -> None:
+    for side in ("src", "dst"):
+        views = {r: g["views"][side] for r, g in enumerate(gathered)}
+        if len({repr(v) for v in views.values()}) > 1:
+            shown = {r: f"mesh={v['mesh']} placements=[{', '.join(v['placements'])}]" for r, v in views.items()}
+            raise PlanError(f"{side}_mesh / {side}_placement: the ranks disagree ({_by_rank(shown)}); every rank "
+                            "must pass the same meshes and placements")
+
+
 def _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement):
-    """Gather every rank's metadata and local errors; return merged rosters or raise everywhere."""
+    """Gather every rank's metadata, view of the layouts and local errors; merged rosters, or raise everywhere."""
     error = None
-    meta = {}
+    meta, views = {}, {}
     try:
+        views = {side: _layout_view(side, mesh, placement, comm.world_size)
+                 for side, mesh, placement in (("src", src_mesh, src_placement), ("dst", dst_mesh, dst_placement))}
         meta = {"src": _side_meta(src_tensor, "src"), "dst": _side_meta(dst_tensor, "dst")}
     except (TypeError, RefitError) as e:
         error = str(e)
-    gathered = comm.all_gather_object({"meta": meta, "error": error})
-    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
-    if errors:
-        raise PlanError("; ".join(f"rank {r}: {msg}" for r, msg in errors))
+    gathered = comm.all_gather_object({"meta": meta, "views": views, "error": error})
+    _raise_local_errors(gathered)
+    _check_views_agree(gathered)
     shapes = {g["meta"][s][0] for g in gathered for s in ("src", "dst") if g["meta"].get(s)}
     if len(shapes) > 1:
         holders = {}
@@ -77,12 +127,7 @@ def _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, d
                 entries.append(RosterEntry.make(PARAM, m[0], m[1], mesh, placement, side))
         rosters[r] = entries
     for side, mesh in (("src", src_mesh), ("dst", dst_mesh)):
-        lay = TensorLayout.make(mesh, [], "float32", param=f"{PARAM} ({side})") if mesh is not None else None
-        if lay is None:
-            raise LayoutError(f"{side}_mesh: a mesh is required")
-        bad = sorted(r for r in lay.mesh_ranks if r >= comm.world_size)
-        if bad:
-            raise LayoutError(f"{side}_mesh: rank(s) {bad} outside the process group of world size {comm.world_size}")
+        lay = TensorLayout.make(mesh, [], "float32", param=f"{PARAM} ({side})")
         for r in lay.mesh_ranks:
             if gathered[r]["meta"].get(side) is None:
                 raise PlanError(f"{side}_tensor: rank {r} is in {side}_mesh {list(lay.mesh_ranks)} but passed None")
@@ -144,17 +189,38 @@ def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh
         return executor.run(src, dst)
 
 
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class Resharder:
     """Many tensors at once: rosters exchanged and checked once, the plan built once.
 
     ``src`` and ``dst`` map a param name to ``(tensor, mesh, placements)`` for what this
     rank holds and needs; every rank of ``process_group`` constructs one (possibly with
     empty maps). Bad rosters raise on every rank here, before any byte moves.
+
+    On a ``StatelessProcessGroup`` the transfers run on a child communicator of their
+    own, so that a rank that fails can close it without touching the caller's group. A
+    rank that cannot go on calls ``abort(reason)``, or leaves a ``with Resharder(...)``
+    block by an exception: its failure is published in the store and its connections
+    close, so the ranks waiting on it raise within about a second, naming it and its
+    reason, instead of waiting out the group's timeout; those ranks close theirs in turn.
+    Every ``run`` gives up after ``timeout_s`` all the same (a rank that hangs publishes
+    nothing).
     """
 
     def __init__(self, process_group, src=None, dst=None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 depth: int = 2):
+                 depth: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S):
+        if not timeout_s > 0:
+            raise RefitError(f"Resharder: timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
         self.comm = as_communicator(process_group)
+        self.closed = False
         src, dst = dict(src or {}), dict(dst or {})
         entries, local_shapes, error = [], {"src": {}, "dst": {}}, None
         try:
@@ -162,7 +228,7 @@ class Resharder:
                 for name, (t, mesh, placements) in side.items():
                     entries.append(RosterEntry.make(name, tuple(t.shape), dtype_name(t.dtype), mesh, placements, role))
                     local_shapes[role][name] = tuple(local_tensor_of(t).shape)
-        except (TypeError, RefitError) as e:
+        except (TypeError, ValueError, RefitError) as e:
             error = f"rank {self.comm.rank}: {e}"
         gathered = self.comm.all_gather_object((entries, local_shapes, error))
         errors = [err for _, _, err in gathered if err]
@@ -176,16 +242,102 @@ class Resharder:
         t0 = time.perf_counter()
         self.plan = build_rank_plan(self.index, self.comm.rank, bucket_bytes=bucket_bytes)
         self.plan_seconds = time.perf_counter() - t0
-        self.executor = make_executor(self.plan, self.comm, device=device_of(self.src, self.dst), depth=depth)
+        # every rank reaches this point or raised above on every rank: the split is collective
+        self._group = self.comm.split(0) if isinstance(self.comm, StatelessProcessGroup) else None
+        wire_comm = self._group if self._group is not None else self.comm
+        self.executor = make_executor(self.plan, wire_comm, device=device_of(self.src, self.dst), depth=depth)
         self.executor.prepare(self.src, self.dst)
 
     def run(self, *, verify: bool = False) -> TransferStats:
-        """Move every tensor once; returns this rank's ``TransferStats``."""
-        return self.executor.run(verify=verify)
+        """Move every tensor once; returns this rank's ``TransferStats``.
+
+        Raises ``TransportError`` naming the rank that failed first (and its reason) when
+        another rank aborted, and after ``timeout_s`` at the latest.
+        """
+        if self.closed:
+            raise TransportError(f"rank {self.comm.rank}: this Resharder was aborted or closed")
+        self._raise_if_peer_failed()
+        group = self._group if self._group is not None else self.comm
+        group.set_deadline(time.monotonic() + self.timeout_s)
+        failure = None
+        try:
+            return self.executor.run(verify=verify)
+        except Exception as e:  # noqa: BLE001 - re-raised below, once this rank's connections are closed
+            failure = _first_line(e)
+        finally:
+            if not self.closed:
+                group.set_deadline(None)
+        # outside the handler: the traceback's frames would keep the broken group, and its sockets, alive
+        failed = self._peer_failures()
+        self.abort(failure)
+        cause = f"because {failed}" if failed else f"on this rank: {failure}"
+        raise TransportError(f"rank {self.comm.rank}: the transfer stopped {cause}")
+
+    # -- failure publishing -------------------------------------------------------------------
+    def _failure_key(self, rank: int) -> str:
+        return f"{self._group.name}/failed/{rank}"
+
+    def _peer_failures(self) -> str:
+        """Who published a failure, and why ('' when nobody did, or this is not a refit group)."""
+        group = self._group
+        if group is None or group.store is None:
+            return ""
+        found = []
+        for r in range(group.world_size):
+            key = self._failure_key(r)
+            try:
+                if r != group.rank and group.store.check([key]):
+                    found.append(f"rank {r} failed: {group.store.get(key).decode(errors='replace')}")
+            except Exception:  # noqa: BLE001 - a store that went away tells nothing more
+                break
+        return "; ".join(found)
+
+    def _raise_if_peer_failed(self) -> None:
+        failed = self._peer_failures()
+        if failed:
+            self.abort("a peer failed before this rank started")
+            raise TransportError(f"rank {self.comm.rank}: not started: {failed}")
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Tell the other ranks this one will not take part, and release them (idempotent).
+
+        The reason goes to the store first, then this rank's connections close: a peer
+        blocked on this rank is released by the close and finds the reason to report.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        group = self._group
+        if group is not None and group.store is not None:
+            try:
+                group.store.set(self._failure_key(group.rank), reason.encode())
+            except Exception:  # noqa: BLE001 - the store may be gone with its host
+                pass
+        self.executor.close()
+        if group is not None:
+            group.abort()
+            self._group = None
+            del group
+            gc.collect()  # gloo closes a pair's socket when the last reference to its group goes
 
     def close(self) -> None:
-        """Release the executor's staging."""
+        """Release the executor's staging and this Resharder's own communicator."""
+        if self.closed:
+            return
+        self.closed = True
         self.executor.close()
+        if self._group is not None:
+            self._group.abort()
+            self._group = None
+
+    def __enter__(self) -> Resharder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self.abort(_first_line(exc))
+        else:
+            self.close()
 
 
 __all__ = ["Resharder", "xferdtensor", "xferdtensor_golden"]

@@ -52,6 +52,15 @@ def bad_call(group, kind):
         elif kind == "duplicate":
             refit.xferdtensor(ref(t) if r < 2 else None, [0, 1], [S(0)],
                               ref(t) if r >= 2 else None, [2, 2], [S(0)], group)
+        elif kind == "mesh_order_disagrees":  # ranks 2 and 3 see the destination mesh reversed
+            refit.xferdtensor(ref(t) if r < 2 else None, [0, 1], [S(0)],
+                              ref(t) if r >= 2 else None, [2, 3] if r < 2 else [3, 2], [S(0)], group)
+        elif kind == "placements_disagree":
+            refit.xferdtensor(ref(t) if r < 2 else None, [0, 1], [S(0)],
+                              ref(t) if r >= 2 else None, [2, 3], [S(0)] if r != 3 else [S(1)], group)
+        elif kind == "one_rank_outside_group":  # only rank 0 passes a mesh naming rank 9
+            refit.xferdtensor(ref(t) if r < 2 else None, [0, 1], [S(0)],
+                              ref(t) if r >= 2 else None, [2, 3] if r != 0 else [2, 9], [S(0)], group)
         elif kind == "local_shape":
             refit.xferdtensor(ref(t) if r < 2 else None, [0, 1], [S(0)],
                               ref(torch.zeros(3, 4)) if r >= 2 else None, [2, 3], [S(0)], group)
@@ -92,3 +101,32 @@ def init_default_group(group, port):
 def destroy_default_group(group):
     import torch.distributed as dist
     dist.destroy_process_group()
+
+
+def resharder_one_rank_fails(group, how: str, timeout_s: float):
+    """Ranks 0-1 send, 2-3 receive; rank 1 fails before run(): inside a with-block, or without a word."""
+    import time
+
+    from refit.transport.xfer import Resharder
+
+    S = refit.Shard
+    r = group.rank
+    src = {"w": (refit.DTensorRef(torch.ones(512, 64), (1024, 64)), [0, 1], [S(0)])} if r < 2 else {}
+    # columns: each receiver needs rows from both senders, so both wait on rank 1
+    dst = {"w": (refit.DTensorRef(torch.zeros(1024, 32), (1024, 64)), [2, 3], [S(1)])} if r >= 2 else {}
+    t0 = time.monotonic()
+    try:
+        if how == "with":
+            with Resharder(group, src, dst, timeout_s=timeout_s) as resharder:
+                if r == 1:
+                    raise RuntimeError("the batch was bad")
+                resharder.run()
+        else:
+            resharder = Resharder(group, src, dst, timeout_s=timeout_s)
+            if r == 1:
+                raise RuntimeError("the batch was bad")
+            resharder.run()
+            resharder.close()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0

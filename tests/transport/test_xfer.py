@@ -55,6 +55,12 @@ BAD = {
     "shard_dim": r"tensor \(dst on rank 2\): Shard\(2\) shards dim 2 of a 2-d tensor",
     "outside_group": r"dst_mesh: rank\(s\) \[9\] outside the process group of world size 4",
     "duplicate": r"rank\(s\) \[2\] listed more than once",
+    "mesh_order_disagrees": (r"dst_mesh / dst_placement: the ranks disagree \(rank\(s\) \[0, 1\]: mesh=\[2, 3\] "
+                             r"placements=\[Shard\(0\)\]; rank\(s\) \[2, 3\]: mesh=\[3, 2\]"),
+    "placements_disagree": r"dst_mesh / dst_placement: the ranks disagree .*rank\(s\) \[3\]: mesh=\[2, 3\] "
+                           r"placements=\[Shard\(1\)\]",
+    "one_rank_outside_group": (r"dst_mesh: rank\(s\) \[9\] outside the process group of world size 4 "
+                               r"\(on rank\(s\) \[0\]\)"),
     "local_shape": (r"dst_tensor / dst_placement: tensor: rank 2.s local dst tensor has shape \[3, 4\], "
                     r"but .*gives it \[4, 4\]"),
 }
@@ -91,3 +97,25 @@ def test_torch_default_group_and_torch_dtensor_with_strided_shard():
         assert [r["xferdtensor"] for r in res] == [None, True, True, None]
         assert [r["xferdtensor_golden"] for r in res] == [None, True, True, None]
         f.run(xfer_jobs.destroy_default_group)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_that_fails_before_run_releases_the_others_naming_itself(fleet):
+    """A rank leaving its ``with Resharder`` by an exception: the others raise at once, not at their timeout."""
+    timeout_s = 100.0
+    results = fleet.run(xfer_jobs.resharder_one_rank_fails, "with", timeout_s, timeout_s=200)
+    assert results[1][0] == "RuntimeError"
+    for r in (2, 3):  # rank 1's rows never came
+        kind, msg, elapsed = results[r]
+        assert kind == "TransportError" and "rank 1 failed: RuntimeError: the batch was bad" in msg, results[r]
+        assert elapsed < timeout_s / 2, f"rank {r} waited {elapsed:.1f}s, as if nobody had told it"
+    assert results[0][0] == "ok" or "rank 1 failed" in results[0][1], results[0]
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_that_fails_silently_leaves_the_others_bounded_by_timeout_s(fleet):
+    results = fleet.run(xfer_jobs.resharder_one_rank_fails, "silent", 3.0, timeout_s=200)
+    assert results[1][0] == "RuntimeError"
+    for r in (2, 3):
+        kind, msg, _ = results[r]
+        assert kind == "TransportError" and "the transfer stopped" in msg, results[r]
