@@ -44,15 +44,18 @@ def _available() -> dict[str, tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="refit", description="Shard-to-shard weight sync for RL post-training.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    modules = {}
+    modules, parsers = {}, {}
     for name, (module, help_text) in _available().items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         mod = importlib.import_module(module)
         mod.add_arguments(p)
         modules[name] = mod
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
-        parser.error(f"give a command: {', '.join(modules)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" if unknown
+                     else f"give a command: {', '.join(modules)}")
+    if unknown:  # said by the subcommand's parser, so that the line names the command
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return _run(args.command, modules[args.command], args)
 
 
