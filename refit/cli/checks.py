@@ -66,13 +66,13 @@ def positive_int_list(text: str) -> list[int]:
     return out
 
 
-def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
-    """A type for a comma list of ``choices`` (at least one, each known)."""
+def choice_list(choices: Iterable[str], *, allow_empty: bool = False) -> Callable[[str], list[str]]:
+    """A type for a comma list of ``choices``, each known (and at least one unless ``allow_empty``)."""
     known = tuple(choices)
 
     def parse(text: str) -> list[str]:
         parts = [p.strip() for p in text.split(",") if p.strip()]
-        if not parts:
+        if not parts and not allow_empty:
             raise argparse.ArgumentTypeError(f"give at least one of {', '.join(known)}")
         for part in parts:
             if part not in known:

@@ -57,9 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan")
     g.add_argument("--rank", type=non_negative_int, default=None, help="plan this rank alone (no simulation)")
     g.add_argument("--bucket-mb", type=positive_float, default=64.0, help="bucket size in MiB (64)")
-    g.add_argument("--fanout", type=choice_list(FANOUT_VARIANTS), default="off,replicas,node",
+    g.add_argument("--fanout", type=choice_list(FANOUT_VARIANTS, allow_empty=True),
+                   default="off,replicas,node",
                    help="comma list of variants: off, replicas (groups of identical regions), node (groups kept "
-                        "inside a node); default all three")
+                        "inside a node); default all three; '' for none (with --scaling)")
     g.add_argument("--stripe-mb", type=positive_float, default=4.0, help="fan-out stripe size in MiB (4)")
     g.add_argument("--repeats", type=positive_int, default=3, help="cold builds timed per sampled rank (3)")
     g.add_argument("--no-check", action="store_true", help="skip the cross-rank send/recv consistency check")
@@ -399,6 +400,8 @@ def check_args(args) -> None:
                                             ("--per-rank", args.per_rank)) if given]
         if ignored:
             raise ConfigError(f"{', '.join(ignored)} report every rank's plans; --rank {args.rank} plans one alone")
+    if args.png and not args.fanout:
+        raise ConfigError(f"--png {args.png} draws the --fanout variants; --fanout '' asks for none")
     if args.png:
         import importlib.util
 

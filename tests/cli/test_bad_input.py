@@ -65,6 +65,7 @@ CASES = [
     (PLAN + ["--model", "{good}", "--train-dtype", "float17"], "--train-dtype"),
     (PLAN + ["--model", "{good}", "--png", "{missing}/plan.png"], "--png"),
     (PLAN + ["--model", "{good}", "--png", "{folder}"], "--png"),
+    (PLAN + ["--model", "{good}", "--png", "{folder}/plan.png", "--fanout", ""], "--png"),
     (PLAN + ["--model", "{good}", "--rank", "4"], "--rank 4"),
     (PLAN + ["--model", "{good}", "--rank", "1", "--scaling", "8"], "--scaling"),
     (PLAN + ["--model", "{good}", "--train", "tp=3"], "train layout 'tp=3'"),
