@@ -11,7 +11,7 @@ from refit.control import (
     SyncResult,
     WeightSynchronizer,
 )
-from refit.errors import LayoutError, PlanError, RefitAborted, RefitError, TransportError
+from refit.errors import ConfigError, LayoutError, PlanError, RefitAborted, RefitError, TransportError
 from refit.layout import DTensorRef, Replicate, Shard, StridedShard, shard_region, shard_slices
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
 from refit.runtime.watchdog import RefitAbortWatchdog
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveWeightSynchronizer",
+    "ConfigError",
     "DTensorRef",
     "EngineEndpoint",
     "LayoutError",

@@ -18,6 +18,10 @@ class PlanError(RefitError, ValueError):
     """Rosters that cannot be turned into a transfer plan (missing source, mismatch...)."""
 
 
+class ConfigError(RefitError, ValueError):
+    """A model config or a setting that cannot describe a run, named by its file and key or its flag."""
+
+
 class TransportError(RefitError, RuntimeError):
     """A transfer that failed while bytes were moving."""
 

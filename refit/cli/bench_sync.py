@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from refit.errors import ConfigError
 from refit.layout import mesh_coords_of, region_shape, shard_region
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec, get_model
@@ -185,7 +186,7 @@ class BenchLayout:
         return f"trainer TP{self.trainer_tp} -> {self.engines} engine shard(s) of TP{self.engine_tp}"
 
 
-class FlagError(ValueError):
+class FlagError(ConfigError):
     """Flags that cannot run here; reported in one line, before anything starts."""
 
 
@@ -394,11 +395,7 @@ def print_sync_table(r: dict) -> None:
 
 
 def run(args) -> int:
-    try:
-        result = run_sync_bench(args)
-    except FlagError as e:
-        print(f"refit bench --path sync --device {args.device}: {e}", file=sys.stderr)
-        return 2
+    result = run_sync_bench(args)
     if result["layout_note"] and args.json:
         print(result["layout_note"], file=sys.stderr)
     if args.json:

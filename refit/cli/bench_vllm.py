@@ -175,30 +175,32 @@ def print_table(result: dict) -> None:
                   f"Fleet start-up {result['fleet_start_s']:.1f}s, total {result['total_s']:.1f}s.")
 
 
+def check_args(args) -> None:
+    """Refuse what cannot run, and fill in the defaults, before vLLM is imported."""
+    from refit.cli.demo_vllm import missing_dependency
+    from refit.errors import ConfigError
+
+    if args.path != "transport" or args.device != "cpu" or args.transport != "nccl":
+        raise ConfigError("--engine vllm: --path, --device and --transport do not apply (it runs vLLM engines on "
+                          "this host's CPUs); nothing was run")
+    for k, v in DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.hidden % (2 * 2 * HEAD_DIM):
+        raise ConfigError(f"--engine vllm: --hidden {args.hidden}: give a multiple of 256 (head_dim 64, and the "
+                          "KV heads, hidden/128, split over TP2)")
+    missing = missing_dependency()
+    if missing:
+        raise ConfigError(f"--engine vllm {missing}")
+
+
 def run(args) -> int:
     import json
     import os
 
-    from refit.cli.demo_vllm import missing_dependency, stdout_to_stderr
+    from refit.cli.demo_vllm import stdout_to_stderr
 
-    if args.path != "transport" or args.device != "cpu" or args.transport != "nccl":
-        print("refit bench --engine vllm: --path, --device and --transport do not apply (it runs vLLM engines on "
-              "this host's CPUs); nothing was run", file=sys.stderr)
-        return 2
-    missing = missing_dependency()
-    if missing:
-        print(f"refit bench --engine vllm {missing}", file=sys.stderr)
-        return 2
-    for k, v in DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.hidden % (2 * 2 * HEAD_DIM) or args.hidden <= 0:
-        print(f"refit bench --engine vllm: --hidden {args.hidden}: give a multiple of 256 (head_dim 64, and the "
-              "KV heads, hidden/128, split over TP2)", file=sys.stderr)
-        return 2
-    if args.layers < 1 or args.repeat < 1:
-        print("refit bench --engine vllm: --layers and --repeat must be >= 1", file=sys.stderr)
-        return 2
+    check_args(args)
     from refit.errors import RefitError
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' processes inherit it

@@ -22,6 +22,9 @@ import sys
 import threading
 import time
 
+from refit.cli.checks import non_negative_int, positive_float, positive_int
+from refit.errors import ConfigError
+
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
 # Engine logits against the trainer's, fp32: measured within 2e-7 on the host and on H200s
 # (the engine's fused GEMMs order sums differently); a wrong weight moves them by whole units.
@@ -38,9 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "worker, NCCL (needs trainer-dp*trainer-tp + the engine TP sizes' sum of GPUs; with "
                         "--nixl ranks share GPUs)")
     p.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama", help="tiny model shape [llama]")
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps, each followed by a refit [4]")
-    p.add_argument("--trainer-dp", type=int, default=2, help="trainer FSDP2 size [2]")
-    p.add_argument("--trainer-tp", type=int, default=2,
+    p.add_argument("--steps", type=positive_int, default=4, help="optimizer steps, each followed by a refit [4]")
+    p.add_argument("--trainer-dp", type=positive_int, default=2, help="trainer FSDP2 size [2]")
+    p.add_argument("--trainer-tp", type=positive_int, default=2,
                    help="trainer TP size; with FSDP2 over dp, TP-sharded params are _StridedShard DTensors [2]")
     p.add_argument("--engine-tp", default="2,2,1",
                    help="TP size of every generation shard, one per shard (2,2,1: two shards of TP2 and one "
@@ -48,21 +51,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-ep", action="store_true",
                    help="qwen3-moe: each engine shard splits its routed experts whole across its workers "
                         "(expert parallelism, as vLLM's enable_expert_parallel) instead of cutting them by TP")
-    p.add_argument("--engines", type=int, default=None,
+    p.add_argument("--engines", type=positive_int, default=None,
                    help="generation shards (default: one per --engine-tp entry, or 2 when it gives one size)")
-    p.add_argument("--kill-step", type=int, default=2, help="step whose refit loses a worker (0: none) [2]")
-    p.add_argument("--kill-shard", type=int, default=1, help="shard that loses a worker [1]")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--kill-step", type=non_negative_int, default=2,
+                   help="step whose refit loses a worker (0: none) [2]")
+    p.add_argument("--kill-shard", type=non_negative_int, default=1, help="shard that loses a worker [1]")
+    p.add_argument("--timeout", type=positive_float, default=None,
                    help="refit_timeout_s, the per-refit deadline [15; --engine vllm: 60]")
     p.add_argument("--nixl", action="store_true",
                    help="move the weights with one-sided NIXL writes (pip install 'refit[nixl]'); with "
                         "--device cuda ranks then share GPUs (CUDA IPC between processes), so the whole "
                         "demo fits on as many GPUs as the largest of trainer dp*tp and engine TP")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
-    p.add_argument("--start-timeout", type=float, default=300.0,
+    p.add_argument("--start-timeout", type=positive_float, default=300.0,
                    help="seconds the trainer and engine actors may take to start (each imports torch and "
                         "transformers; a busy machine is slow) [300]")
-    p.add_argument("--connect-timeout", type=float, default=60.0,
+    p.add_argument("--connect-timeout", type=positive_float, default=60.0,
                    help="seconds to wait for the Ray cluster of --address to be joined [60]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the live display")
 
@@ -99,19 +103,19 @@ def _check_engines(fleet, shards, reference, timeout_s):
 
 
 def engine_sizes(args) -> list[int]:
-    """Per-shard TP sizes from ``--engine-tp`` and ``--engines``; ValueError names the flag."""
+    """Per-shard TP sizes from ``--engine-tp`` and ``--engines``; ConfigError names the flag."""
     try:
         sizes = [int(x) for x in str(args.engine_tp).split(",")]
     except ValueError:
-        raise ValueError(f"--engine-tp {args.engine_tp!r}: give sizes like 2 or 2,2,1") from None
+        raise ConfigError(f"--engine-tp {args.engine_tp!r}: give sizes like 2 or 2,2,1") from None
     if args.engines is not None and args.engines < 1:
-        raise ValueError(f"--engines {args.engines}: give 1 or more")
+        raise ConfigError(f"--engines {args.engines}: give 1 or more")
     if any(n < 1 for n in sizes):
-        raise ValueError(f"--engine-tp {args.engine_tp!r}: every size must be >= 1")
+        raise ConfigError(f"--engine-tp {args.engine_tp!r}: every size must be >= 1")
     if len(sizes) == 1:
         return sizes * (2 if args.engines is None else args.engines)
     if args.engines is not None and args.engines != len(sizes):
-        raise ValueError(f"--engines {args.engines} but --engine-tp {args.engine_tp} gives {len(sizes)} shards")
+        raise ConfigError(f"--engines {args.engines} but --engine-tp {args.engine_tp} gives {len(sizes)} shards")
     return sizes
 
 
@@ -304,7 +308,7 @@ def gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
     if have >= need:
         return None
     flags = "--device cuda --nixl" if args.nixl else "--device cuda"
-    return f"refit demo {flags}: needs {need} GPUs ({why}), the Ray cluster has {have}{hint}"
+    return f"{flags}: needs {need} GPUs ({why}), the Ray cluster has {have}{hint}"
 
 
 def _reachable(address: str, timeout_s: float = 3.0) -> bool:
@@ -318,6 +322,38 @@ def _reachable(address: str, timeout_s: float = 3.0) -> bool:
         return False
 
 
+def check_args(args) -> list[int]:
+    """The engine shards' TP sizes, once every flag is known to make sense with the others.
+
+    Runs before Ray is imported or started: a flag that cannot work is refused in a second,
+    not after the fleet's minutes of start-up.
+    """
+    sizes = engine_sizes(args)
+    if args.engine_ep and args.model != "qwen3-moe":
+        raise ConfigError(f"--engine-ep splits routed experts; --model {args.model} has none (use --model qwen3-moe)")
+    if args.kill_step > args.steps:
+        raise ConfigError(f"--kill-step {args.kill_step} comes after the last of --steps {args.steps} "
+                          "(0: lose no worker)")
+    if args.kill_step and len(sizes) < 2:
+        raise ConfigError("losing a shard needs --engines 2 or more, so that a fleet survives (or --kill-step 0)")
+    if args.kill_step and not 0 <= args.kill_shard < len(sizes):
+        raise ConfigError(f"--kill-shard {args.kill_shard} is not a shard (0..{len(sizes) - 1})")
+    return sizes
+
+
+def check_dependencies(args) -> None:
+    import importlib.util
+
+    for module, extra, why in (("ray", "ray", "Ray"), ("transformers", "models", "transformers for its model")):
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"needs {why}: pip install 'refit[{extra}]'")
+    if args.nixl:
+        from refit.transport.nixl import nixl_available
+
+        if not nixl_available():
+            raise ConfigError("--nixl needs NIXL: pip install 'refit[nixl]'")
+
+
 def run(args) -> int:
     if args.engine == "vllm":
         from refit.cli import demo_vllm
@@ -325,44 +361,13 @@ def run(args) -> int:
         return demo_vllm.run(args)
     if args.timeout is None:
         args.timeout = 15.0
-    try:
-        import ray
-    except ImportError:
-        print("refit demo needs Ray: pip install 'refit[ray]'")
-        return 2
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        print("refit demo needs transformers for its model: pip install 'refit[models]'")
-        return 2
-    try:
-        sizes = engine_sizes(args)
-    except ValueError as e:
-        print(f"refit demo: {e}")
-        return 2
-    for flag, value in (("--start-timeout", args.start_timeout), ("--connect-timeout", args.connect_timeout)):
-        if not value > 0:
-            print(f"refit demo: {flag} {value:g}: give a positive number of seconds")
-            return 2
-    if args.nixl:
-        from refit.transport.nixl import nixl_available
-
-        if not nixl_available():
-            print("refit demo --nixl needs NIXL: pip install 'refit[nixl]'")
-            return 2
-    if args.engine_ep and args.model != "qwen3-moe":
-        print(f"refit demo: --engine-ep splits routed experts; --model {args.model} has none (use --model qwen3-moe)")
-        return 2
-    if args.kill_step and len(sizes) < 2:
-        print("refit demo: losing a shard needs --engines 2 or more, so that a fleet survives (or --kill-step 0)")
-        return 2
-    if args.kill_step and not 0 <= args.kill_shard < len(sizes):
-        print(f"refit demo: --kill-shard {args.kill_shard} is not a shard (0..{len(sizes) - 1})")
-        return 2
+    sizes = check_args(args)
+    check_dependencies(args)
     if args.address and args.address != "auto" and not _reachable(args.address):
-        print(f"refit demo: no Ray cluster answers at {args.address} (nothing listens on that host:port); "
-              "start one with `ray start --head` or leave out --address to start a local one")
-        return 2
+        raise ConfigError(f"--address {args.address}: no Ray cluster answers there (nothing listens on that "
+                          "host:port); start one with `ray start --head` or leave out --address to start a local one")
+    import ray
+
     started = False
     if not ray.is_initialized():
         failure = _start_ray(ray, args)
@@ -371,10 +376,11 @@ def run(args) -> int:
             # Ray keeps retrying a port that answers but is no Ray head, and its threads keep
             # the interpreter alive: say so, and leave without waiting for them.
             print(f"refit demo: could not join {where} within {args.connect_timeout:.0f}s: something listens "
-                  "there, but no Ray head answered (is it the head's GCS port, 6379 by default?)", flush=True)
+                  "there, but no Ray head answered (is it the head's GCS port, 6379 by default?)", file=sys.stderr,
+                  flush=True)
             os._exit(2)
         if failure is not None:
-            print(f"refit demo: could not start or join {where}: {failure}")
+            print(f"refit demo: could not start or join {where}: {failure}", file=sys.stderr)
             return 2
         started = True
     from refit.errors import RefitError
@@ -384,8 +390,7 @@ def run(args) -> int:
     if short:
         if started:
             ray.shutdown()
-        print(short)
-        return 2
+        raise ConfigError(short)
     try:
         if args.json:
             # Ray prints a killed worker's obituary on stdout; --json keeps stdout for the JSON alone

@@ -212,13 +212,10 @@ def print_result(result: dict) -> None:
     console.print(f"{verdict}; start-up {result['startup_s']:.1f}s, total {result['total_s']:.1f}s")
 
 
-def run(args) -> int:
-    import json
+def check_args(args) -> None:
+    """Refuse the flags this story does not read, before vLLM or the trainer is imported."""
+    from refit.errors import ConfigError
 
-    missing = missing_dependency()
-    if missing:
-        print(f"refit demo --engine vllm {missing}")
-        return 2
     unused = [flag for flag, given in (
         ("--device", args.device != "cpu"), ("--model", args.model != "llama"), ("--nixl", args.nixl),
         ("--engine-ep", args.engine_ep), ("--address", args.address is not None),
@@ -227,14 +224,18 @@ def run(args) -> int:
     ) if given]
     if unused:
         verb = "does" if len(unused) == 1 else "do"
-        print(f"refit demo --engine vllm: {', '.join(unused)} {verb} not apply (it runs a Llama trainer on this "
-              f"host and vLLM engines TP1 and TP2, kills a worker of the TP2 engine at step 2 and re-admits it "
-              f"at step 3); nothing was run")
-        return 2
-    for flag, value in (("--start-timeout", args.start_timeout), ("--timeout", args.timeout)):
-        if value is not None and not value > 0:
-            print(f"refit demo: {flag} {value:g}: give a positive number of seconds")
-            return 2
+        raise ConfigError(f"--engine vllm: {', '.join(unused)} {verb} not apply (it runs a Llama trainer on this "
+                          f"host and vLLM engines TP1 and TP2, kills a worker of the TP2 engine at step 2 and "
+                          f"re-admits it at step 3); nothing was run")
+    missing = missing_dependency()
+    if missing:
+        raise ConfigError(f"--engine vllm {missing}")
+
+
+def run(args) -> int:
+    import json
+
+    check_args(args)
     from refit.errors import RefitError
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' processes inherit it

@@ -17,6 +17,17 @@ import statistics
 import sys
 import time
 
+from refit.cli.checks import (
+    choice_list,
+    dtype,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_int_list,
+    writable_file,
+)
+
 FANOUT_VARIANTS = {
     "off": ("no fan-out", dict(fanout=False)),
     "replicas": ("fan-out (replica groups)", dict(fanout=True)),
@@ -29,36 +40,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="kimi-k2",
                    help="llama3-8b, llama3-70b, qwen3-235b-a22b, deepseek-v3, kimi-k2, "
                         "or a config.json (default kimi-k2)")
-    g.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (quick looks)")
+    g.add_argument("--layers", type=positive_int, default=None,
+                   help="keep only the first N decoder layers (quick looks)")
     g.add_argument("--train", default="tp=8,pp=8,ep=32,etp=1",
                    help="training layout: tp, pp, dp, cp, ep, etp (default tp=8,pp=8,ep=32,etp=1)")
-    g.add_argument("--train-gpus", type=int, default=256, help="training ranks; dp is derived when not given (256)")
+    g.add_argument("--train-gpus", type=positive_int, default=256,
+                   help="training ranks; dp is derived when not given (256)")
     g.add_argument("--engine", default="tp=8,ep=128", help="engine layout: tp, dp, ep (default tp=8,ep=128)")
-    g.add_argument("--engine-gpus", type=int, default=128, help="engine ranks; dp is derived when not given (128)")
-    g.add_argument("--train-dtype", default=None, help="training weights dtype (default: the model's)")
-    g.add_argument("--engine-dtype", default=None, help="engine weights dtype (default: the model's)")
+    g.add_argument("--engine-gpus", type=positive_int, default=128,
+                   help="engine ranks; dp is derived when not given (128)")
+    g.add_argument("--train-dtype", type=dtype, default=None, help="training weights dtype (default: the model's)")
+    g.add_argument("--engine-dtype", type=dtype, default=None, help="engine weights dtype (default: the model's)")
     g.add_argument("--rosters", action="store_true",
                    help="build every rank's roster list and merge them with merge_rosters, as ranks do at run "
                         "time (slower), instead of building the merged index straight from the layouts")
     g = p.add_argument_group("plan")
-    g.add_argument("--rank", type=int, default=None, help="plan this rank alone (no simulation)")
-    g.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MiB (64)")
-    g.add_argument("--fanout", default="off,replicas,node",
+    g.add_argument("--rank", type=non_negative_int, default=None, help="plan this rank alone (no simulation)")
+    g.add_argument("--bucket-mb", type=positive_float, default=64.0, help="bucket size in MiB (64)")
+    g.add_argument("--fanout", type=choice_list(FANOUT_VARIANTS, allow_empty=True),
+                   default="off,replicas,node",
                    help="comma list of variants: off, replicas (groups of identical regions), node (groups kept "
-                        "inside a node); default all three")
-    g.add_argument("--stripe-mb", type=float, default=4.0, help="fan-out stripe size in MiB (4)")
-    g.add_argument("--repeats", type=int, default=3, help="cold builds timed per sampled rank (3)")
+                        "inside a node); default all three; '' for none (with --scaling)")
+    g.add_argument("--stripe-mb", type=positive_float, default=4.0, help="fan-out stripe size in MiB (4)")
+    g.add_argument("--repeats", type=positive_int, default=3, help="cold builds timed per sampled rank (3)")
     g.add_argument("--no-check", action="store_true", help="skip the cross-rank send/recv consistency check")
     g = p.add_argument_group("topology")
-    g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--nvlink-gbps", type=float, default=450.0, help="NVLink GB/s per GPU, one direction (450)")
-    g.add_argument("--nic-gbps", type=float, default=50.0, help="NIC GB/s per GPU between nodes (50 = 400 Gb/s)")
-    g.add_argument("--latency-us", type=float, default=20.0, help="latency per round of buckets (20 us)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs that share NVLink (8)")
+    g.add_argument("--nvlink-gbps", type=positive_float, default=450.0, help="NVLink GB/s per GPU, one direction (450)")
+    g.add_argument("--nic-gbps", type=positive_float, default=50.0,
+                   help="NIC GB/s per GPU between nodes (50 = 400 Gb/s)")
+    g.add_argument("--latency-us", type=non_negative_float, default=20.0, help="latency per round of buckets (20 us)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
-    g.add_argument("--png", metavar="FILE", default=None, help="draw per-rank load and the simulated timeline")
+    g.add_argument("--png", metavar="FILE", type=writable_file, default=None,
+                   help="draw per-rank load and the simulated timeline")
     g.add_argument("--per-rank", action="store_true", help="include every rank's bytes in the JSON")
-    g.add_argument("--scaling", default=None, metavar="N,N,...",
+    g.add_argument("--scaling", type=positive_int_list, default=None, metavar="N,N,...",
                    help="also time one rank's plan for these engine rank counts (e.g. 64,128,256,512,1024)")
 
 
@@ -224,7 +241,7 @@ def scaling(args, model, train, repeats: int) -> list[dict]:
     from refit.models import build_index, parse_engine
 
     out = []
-    for n in [int(x) for x in args.scaling.split(",") if x]:
+    for n in args.scaling:
         ep = _engine_ep(model, n, args)
         engine = parse_engine(f"tp={_engine_tp(args)}" + (f",ep={ep}" if ep else ""), world=n)
         t0 = time.perf_counter()
@@ -261,13 +278,11 @@ def _engine_ep(model, n: int, args) -> int:
 
 
 def draw(path: str, report: dict, variants: list[dict], train_world: int) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # optional extra: pip install 'refit[plot]'
-        raise SystemExit(f"--png needs matplotlib (pip install 'refit[plot]'): {e}") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     n = len(variants)
     fig, axes = plt.subplots(n + 1, 1, figsize=(12, 3.2 * (n + 1)), constrained_layout=True)
     ax = axes[0]
@@ -310,8 +325,6 @@ def build_report(args) -> dict:
     }
     kw = dict(bucket_bytes=int(args.bucket_mb * (1 << 20)))
     if args.rank is not None:
-        if not 0 <= args.rank < index.world_size:
-            raise SystemExit(f"--rank {args.rank}: outside the {index.world_size} ranks")
         report["plan_build"] = time_one_rank(index, args.rank, args.repeats, **kw)
         from refit.plan import build_rank_plan
 
@@ -326,9 +339,7 @@ def build_report(args) -> dict:
     report["plan_build"] = {"max_seconds": worst["seconds_min"], "max_rank": worst["rank"],
                             "max_cpu_seconds": max(x["cpu_seconds_min"] for x in samples), "samples": samples}
     variants = []
-    for key in [v.strip() for v in args.fanout.split(",") if v.strip()]:
-        if key not in FANOUT_VARIANTS:
-            raise SystemExit(f"--fanout: unknown variant {key!r}; use {', '.join(FANOUT_VARIANTS)}")
+    for key in args.fanout:
         name, variant = FANOUT_VARIANTS[key]
         variants.append(run_variant(name, variant, args, index, topo, train.world))
     report["variants"] = variants
@@ -377,7 +388,29 @@ def _print_text(report: dict) -> None:
               f"{row['us_per_op_worst_rank']:.1f} us/op); index {row['index_seconds']:.2f} s")
 
 
+def check_args(args) -> None:
+    """Refuse what would fail or be ignored only after the plans are built (minutes on a large model)."""
+    from refit.errors import ConfigError
+
+    world = args.train_gpus + args.engine_gpus
+    if args.rank is not None:
+        if args.rank >= world:
+            raise ConfigError(f"--rank {args.rank}: outside the {world} ranks (--train-gpus + --engine-gpus)")
+        ignored = [flag for flag, given in (("--png", args.png), ("--scaling", args.scaling),
+                                            ("--per-rank", args.per_rank)) if given]
+        if ignored:
+            raise ConfigError(f"{', '.join(ignored)} report every rank's plans; --rank {args.rank} plans one alone")
+    if args.png and not args.fanout:
+        raise ConfigError(f"--png {args.png} draws the --fanout variants; --fanout '' asks for none")
+    if args.png:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # optional extra
+            raise ConfigError(f"--png {args.png}: needs matplotlib (pip install 'refit[plot]')")
+
+
 def run(args) -> int:
+    check_args(args)
     report = build_report(args)
     if args.png and "variants" in report:
         draw(args.png, report, report["variants"], report["train_ranks"])

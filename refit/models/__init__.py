@@ -14,9 +14,10 @@ from refit.models.parallel import (
     parse_engine,
     parse_train,
 )
-from refit.models.specs import MODELS, ModelSpec, ParamShape, get_model, load_hf_config
+from refit.models.specs import DTYPES, MODELS, ModelSpec, ParamShape, dtype_name, get_model, load_hf_config
 
 __all__ = [
+    "DTYPES",
     "EngineParallel",
     "MODELS",
     "ModelSpec",
@@ -24,6 +25,7 @@ __all__ = [
     "TrainParallel",
     "build_index",
     "build_rosters",
+    "dtype_name",
     "get_model",
     "load_hf_config",
     "parse_engine",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from refit.errors import RefitError
+from refit.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -257,11 +257,13 @@ def get_model(name_or_path: str, *, dtype: str | None = None) -> ModelSpec:
         path = name_or_path
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
+            if not os.path.exists(path):
+                raise ConfigError(f"{name_or_path}: a folder without a config.json")
         if not os.path.exists(path):
-            raise RefitError(f"unknown model {name_or_path!r}: give one of {sorted(MODELS)} or a config.json path")
+            raise ConfigError(f"unknown model {name_or_path!r}: give one of {sorted(MODELS)} or a config.json path")
         spec = load_hf_config(path)
     if dtype is not None:
-        spec = _replace(spec, dtype=dtype)
+        spec = _replace(spec, dtype=dtype_name(dtype))
     return spec
 
 
@@ -271,65 +273,168 @@ def _replace(spec: ModelSpec, **changes) -> ModelSpec:
     return dataclasses.replace(spec, **changes)
 
 
+# Weights dtypes a model or a layout may name; the aliases are the spellings configs and users write.
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                  "fp64": "float64", "double": "float64"}
+
+
+def dtype_name(text: Any, *, what: str = "dtype") -> str:
+    """The canonical name of a weights dtype (``torch.bfloat16``, ``bf16`` -> ``bfloat16``).
+
+    An unknown name is refused rather than replaced by a default: a wrong dtype silently
+    doubles or halves every byte count that a plan or a benchmark reports.
+    """
+    key = str(text).strip().lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(key, key)
+    if name not in DTYPES:
+        raise ConfigError(f"{what}: unknown dtype {text!r}; use one of {', '.join(DTYPES)}")
+    return name
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A ``config.json`` parsed into a dict; ConfigError, naming the file, when it cannot be."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"{os.fspath(path)}: cannot read the model config ({reason})") from None
+    if not text.strip():
+        raise ConfigError(f"{os.fspath(path)}: the model config is empty")
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{os.fspath(path)}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{os.fspath(path)}: the model config must be a JSON object, not {type(cfg).__name__}")
+    return cfg
+
+
+class _ConfigReader:
+    """Typed reads of a config dict; every refusal names the key and where the config came from.
+
+    Sizes must be whole and positive (and counts whole and non-negative): a zero or a
+    fraction would otherwise surface much later as a division by zero or as a model with
+    no weights that every step "syncs" in no time.
+    """
+
+    def __init__(self, cfg: Mapping[str, Any], where: str):
+        self.cfg, self.where = cfg, where
+
+    def fail(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {message}")
+
+    def given(self, key: str) -> bool:
+        return self.cfg.get(key) is not None
+
+    def _whole(self, key: str, least: int, what: str) -> int:
+        value = self.cfg[key]
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole or value < least:
+            raise self.fail(f"{key} must be a {what} integer, got {value!r}")
+        return int(value)
+
+    def size(self, key: str) -> int:
+        """A required positive integer."""
+        if not self.given(key):
+            raise self.fail(f"config.json has no {key!r}")
+        return self._whole(key, 1, "positive")
+
+    def optional_size(self, key: str, default: int = 0) -> int:
+        """A positive integer when given (null or absent: ``default``)."""
+        return self._whole(key, 1, "positive") if self.given(key) else default
+
+    def count(self, key: str, default: int = 0) -> int:
+        """A non-negative integer (null or absent: ``default``)."""
+        return self._whole(key, 0, "non-negative") if self.given(key) else default
+
+
 def load_hf_config(config: str | os.PathLike | Mapping[str, Any], *, name: str | None = None) -> ModelSpec:
     """A ``ModelSpec`` from a Hugging Face ``config.json`` (a path or the parsed dict).
 
     Reads the Llama / Mistral / Qwen2 / Qwen3 (dense and MoE) / Mixtral / DeepSeek-V2/V3 /
-    Kimi-K2 families; a multimodal wrapper's ``text_config`` is read in its place.
+    Kimi-K2 families; a multimodal wrapper's ``text_config`` is read in its place. A config
+    that cannot describe a model (missing or non-positive sizes, heads that do not divide,
+    an unknown dtype, a file that is no JSON object) raises ``ConfigError`` naming the key.
     """
     if not isinstance(config, Mapping):
-        with open(config) as f:
-            cfg = json.load(f)
+        cfg = read_config_file(config)
         name = name or os.path.basename(os.path.dirname(os.path.abspath(config))) or "model"
+        where = os.fspath(config)
     else:
         cfg = dict(config)
+        where = ""
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg, **cfg["text_config"]}
     model_type = str(cfg.get("model_type", ""))
     name = name or cfg.get("_name_or_path") or model_type or "model"
-
-    def need(key: str) -> int:
-        if key not in cfg or cfg[key] is None:
-            raise RefitError(f"{name}: config.json has no {key!r}")
-        return int(cfg[key])
-
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
-    if dtype not in ("bfloat16", "float16", "float32"):
-        dtype = "bfloat16"
+    read = _ConfigReader(cfg, where or str(name))
     fields: dict[str, Any] = dict(
-        name=str(name), vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        name=str(name), vocab_size=read.size("vocab_size"), num_layers=read.size("num_hidden_layers"),
+        **_attention_fields(read), intermediate_size=read.count("intermediate_size"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=model_type.startswith("qwen3"), attention_bias=bool(cfg.get("attention_bias", False))
-        or model_type in ("qwen2", "qwen2_moe"), dtype=dtype,
+        or model_type in ("qwen2", "qwen2_moe"), dtype=_config_dtype(read),
     )
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    if experts:
-        fields.update(num_experts=experts,
-                      moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")))
-        if "num_local_experts" in cfg and "n_routed_experts" not in cfg and "num_experts" not in cfg:
-            fields["expert_naming"] = "mixtral"
-        if "first_k_dense_replace" in cfg:
-            fields["first_dense_layers"] = int(cfg.get("first_k_dense_replace") or 0)
-            fields["moe_layer_freq"] = int(cfg.get("moe_layer_freq") or 1)
-        elif cfg.get("mlp_only_layers"):
-            raise RefitError(f"{name}: mlp_only_layers is not supported; list the layers as a dense prefix")
-        else:
-            fields["moe_layer_freq"] = int(cfg.get("decoder_sparse_step") or 1)
-            fields["moe_layer_offset"] = 1
-        fields["num_shared_experts"] = int(cfg.get("n_shared_experts") or 0)
-        fields["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
-        fields["router_bias"] = cfg.get("topk_method") == "noaux_tc"
+    fields.update(_expert_fields(read))
     if cfg.get("kv_lora_rank"):
-        fields.update(q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
-                      kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=need("qk_nope_head_dim"),
-                      qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
-                      num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
-    return ModelSpec(**fields)
+        fields.update(q_lora_rank=read.count("q_lora_rank") or None, kv_lora_rank=read.size("kv_lora_rank"),
+                      qk_nope_head_dim=read.size("qk_nope_head_dim"), qk_rope_head_dim=read.size("qk_rope_head_dim"),
+                      v_head_dim=read.size("v_head_dim"), num_mtp_layers=read.count("num_nextn_predict_layers"))
+    spec = ModelSpec(**fields)
+    dense = [layer for layer in range(spec.num_layers) if not spec.is_moe_layer(layer)]
+    if dense and not spec.intermediate_size:
+        raise read.fail(f"intermediate_size must be a positive integer: layer {dense[0]} has a dense MLP")
+    return spec
+
+
+def _attention_fields(read: _ConfigReader) -> dict[str, int]:
+    """Hidden size and heads; the head size is hidden / heads unless ``head_dim`` says otherwise."""
+    hidden, heads = read.size("hidden_size"), read.size("num_attention_heads")
+    kv_heads = read.optional_size("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise read.fail(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if read.given("head_dim"):
+        head_dim = read.optional_size("head_dim")
+    elif hidden % heads and not read.cfg.get("kv_lora_rank"):  # MLA sizes its heads with qk_*_head_dim
+        raise read.fail(f"hidden_size {hidden} is not divisible by num_attention_heads {heads} "
+                        "(give head_dim when the heads are sized on their own)")
+    else:
+        head_dim = hidden // heads
+    return dict(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def _config_dtype(read: _ConfigReader) -> str:
+    for key in ("torch_dtype", "dtype"):
+        if read.given(key):
+            return dtype_name(read.cfg[key], what=f"{read.where}: {key}")
+    return "bfloat16"
+
+
+def _expert_fields(read: _ConfigReader) -> dict[str, Any]:
+    """Routed and shared experts and which layers hold them; none for a dense model."""
+    cfg = read.cfg
+    key = next((k for k in ("n_routed_experts", "num_experts", "num_local_experts") if read.given(k)), None)
+    experts = read.count(key) if key else 0
+    if not experts:
+        return {}
+    moe_key = "moe_intermediate_size" if read.given("moe_intermediate_size") else "intermediate_size"
+    fields: dict[str, Any] = dict(num_experts=experts, moe_intermediate_size=read.size(moe_key))
+    if key == "num_local_experts":
+        fields["expert_naming"] = "mixtral"
+    if "first_k_dense_replace" in cfg:
+        fields["first_dense_layers"] = read.count("first_k_dense_replace")
+        fields["moe_layer_freq"] = read.optional_size("moe_layer_freq", 1)
+    elif cfg.get("mlp_only_layers"):
+        raise read.fail("mlp_only_layers is not supported; list the layers as a dense prefix")
+    else:
+        fields["moe_layer_freq"] = read.optional_size("decoder_sparse_step", 1)
+        fields["moe_layer_offset"] = 1
+    fields["num_shared_experts"] = read.count("n_shared_experts")
+    fields["shared_expert_intermediate_size"] = read.count("shared_expert_intermediate_size")
+    fields["router_bias"] = cfg.get("topk_method") == "noaux_tc"
+    return fields
 
 
 def hf_config_dict(config: Any) -> dict[str, Any]:

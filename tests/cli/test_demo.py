@@ -42,7 +42,7 @@ def test_refit_demo_says_clearly_when_ray_is_unreachable():
     proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--address", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "no Ray cluster answers at 127.0.0.1:1" in proc.stdout
+    assert "refit demo: --address 127.0.0.1:1: no Ray cluster answers there" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -56,7 +56,7 @@ def test_refit_demo_says_clearly_when_ray_is_unreachable():
 def test_refit_demo_refuses_bad_flags_before_starting_anything(argv, message):
     proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", *argv], capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode == 2 and message in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -71,7 +71,7 @@ def test_refit_demo_says_clearly_when_a_port_answers_but_is_no_ray_head():
         proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--address", f"127.0.0.1:{port}",
                                "--connect-timeout", "5"], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
-    assert f"could not join the Ray cluster at 127.0.0.1:{port} within 5s" in proc.stdout
+    assert f"could not join the Ray cluster at 127.0.0.1:{port} within 5s" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 

@@ -1,0 +1,152 @@
+"""Every ``refit`` command answers bad input in one line on stderr, exit code 2, before it starts anything.
+
+Each case runs the real command in a subprocess, as a user would. The cases are chosen so
+that a command which missed the bad value would go on to its expensive phase (plan a
+model, start Ray, a process fleet or vLLM) and print to stdout: an empty stdout is the
+proof that it stopped before start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GOOD = {
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "torch_dtype": "bfloat16",
+}
+# config.json contents, by the name a case uses as {name} in its arguments
+CONFIGS = {
+    "good": json.dumps(GOOD),
+    "truncated": json.dumps(GOOD)[:40],
+    "empty": "",
+    "list": "[1, 2, 3]",
+    "zero_heads": json.dumps({**GOOD, "num_attention_heads": 0}),
+    "no_vocab": json.dumps({k: v for k, v in GOOD.items() if k != "vocab_size"}),
+    "bad_dtype": json.dumps({**GOOD, "torch_dtype": "bfloat17"}),
+    "hidden_250": json.dumps({**GOOD, "hidden_size": 250}),
+    "kv_heads_3": json.dumps({**GOOD, "num_key_value_heads": 3}),
+    "text_layers": json.dumps({**GOOD, "num_hidden_layers": "2"}),
+    "negative_experts": json.dumps({**GOOD, "num_experts": -4, "moe_intermediate_size": 64}),
+}
+PLAN = ["plan", "--train", "tp=2", "--train-gpus", "2", "--engine", "tp=1", "--engine-gpus", "2", "--repeats", "1"]
+
+CASES = [
+    # refit plan: the model's config.json
+    (PLAN + ["--model", "{truncated}"], "not valid JSON"),
+    (PLAN + ["--model", "{empty}"], "config is empty"),
+    (PLAN + ["--model", "{list}"], "must be a JSON object"),
+    (PLAN + ["--model", "{zero_heads}"], "num_attention_heads"),
+    (PLAN + ["--model", "{no_vocab}"], "vocab_size"),
+    (PLAN + ["--model", "{bad_dtype}"], "torch_dtype"),
+    (PLAN + ["--model", "{hidden_250}"], "hidden_size 250 is not divisible by num_attention_heads 8"),
+    (PLAN + ["--model", "{kv_heads_3}"], "num_key_value_heads"),
+    (PLAN + ["--model", "{text_layers}"], "num_hidden_layers"),
+    (PLAN + ["--model", "{negative_experts}"], "num_experts"),
+    (PLAN + ["--model", "{folder}"], "without a config.json"),
+    (PLAN + ["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    # refit plan: flags
+    (PLAN + ["--model", "{good}", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (PLAN + ["--model", "{good}", "--nic-gbps", "0"], "--nic-gbps"),
+    (PLAN + ["--model", "{good}", "--latency-us", "-1"], "--latency-us"),
+    (PLAN + ["--model", "{good}", "--bucket-mb", "0"], "--bucket-mb"),
+    (PLAN + ["--model", "{good}", "--repeats", "0"], "--repeats"),
+    (PLAN + ["--model", "{good}", "--layers", "0"], "--layers"),
+    (PLAN + ["--model", "{good}", "--scaling", "4,abc"], "--scaling"),
+    (PLAN + ["--model", "{good}", "--scaling", ","], "--scaling"),
+    (PLAN + ["--model", "{good}", "--fanout", "off,bogus"], "--fanout"),
+    (PLAN + ["--model", "{good}", "--train-dtype", "float17"], "--train-dtype"),
+    (PLAN + ["--model", "{good}", "--png", "{missing}/plan.png"], "--png"),
+    (PLAN + ["--model", "{good}", "--png", "{folder}"], "--png"),
+    (PLAN + ["--model", "{good}", "--png", "{folder}/plan.png", "--fanout", ""], "--png"),
+    (PLAN + ["--model", "{good}", "--rank", "4"], "--rank 4"),
+    (PLAN + ["--model", "{good}", "--rank", "1", "--scaling", "8"], "--scaling"),
+    (PLAN + ["--model", "{good}", "--train", "tp=3"], "train layout 'tp=3'"),
+    (PLAN + ["--model", "{good}", "--engine", "tp=2,ep=2"], "ep=2"),
+    (["plan", "--no-such-flag"], "--no-such-flag"),
+    # refit demo: refused before Ray is imported or started
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--trainer-dp", "0"], "--trainer-dp"),
+    (["demo", "--engines", "0"], "--engines"),
+    (["demo", "--engine-tp", "2,x"], "--engine-tp"),
+    (["demo", "--engine-tp", "2,0"], "--engine-tp"),
+    (["demo", "--kill-step", "9"], "--kill-step 9"),
+    (["demo", "--kill-shard", "5"], "--kill-shard 5"),
+    (["demo", "--engine-ep"], "--engine-ep"),
+    (["demo", "--timeout", "0"], "--timeout"),
+    (["demo", "--connect-timeout", "nan"], "--connect-timeout"),
+    (["demo", "--device", "tpu"], "--device"),
+    (["demo", "--engine", "vllm", "--steps", "3"], "--steps"),
+    (["demo", "--engine", "vllm", "--timeout", "0"], "--timeout"),
+    # refit bench: refused before a fleet of processes (or vLLM) starts
+    (["bench", "--repeat", "0"], "--repeat"),
+    (["bench", "--src", "0"], "--src"),
+    (["bench", "--dtype", "float17"], "--dtype"),
+    (["bench", "--bucket-mib", "nan"], "--bucket-mib"),
+    (["bench", "--transport", "nixl"], "--transport nixl"),
+    (["bench", "--repeat", "2", "--path", "sync"], "--repeat"),
+    (["bench", "--path", "sync", "--iters", "0"], "--iters"),
+    (["bench", "--path", "sync", "--refit-timeout", "0"], "--refit-timeout"),
+    (["bench", "--path", "sync", "--model", "{zero_heads}"], "num_attention_heads"),
+    (["bench", "--engine", "vllm", "--hidden", "100"], "--hidden 100"),
+    (["bench", "--engine", "vllm", "--device", "cuda"], "--device"),
+    (["bench", "--engine", "vllm", "--src", "2"], "--src"),
+    (["bench", "--device", "cuda", "--gpu-out", "{missing}/out.json"], "--gpu-out"),
+    (["bench", "--device", "cuda", "--src", "2"], "--src"),
+    (["bench", "--device", "cuda", "--transport", "nixl", "--nixl-timeout-s", "0"], "--nixl-timeout-s"),
+    ([], "give a command"),
+    (["nope"], "nope"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.fixture
+def places(tmp_path) -> dict[str, str]:
+    """What a case's {name} stands for: a folder holding that config.json, an empty folder, a missing one."""
+    out = {"folder": str(tmp_path / "no_config"), "missing": str(tmp_path / "missing")}
+    (tmp_path / "no_config").mkdir()
+    for name, text in CONFIGS.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        out[name] = str(tmp_path / name / "config.json")
+    return out
+
+
+def refit(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "refit.cli", *argv], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("argv, names", CASES, ids=[" ".join(a[:1] + a[-2:]) or "no-command" for a, _ in CASES])
+def test_bad_input_is_one_line_exit_2_before_start_up(argv, names, places):
+    argv = [a.format(**places) for a in argv]
+    proc = refit(argv)
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 2, both
+    assert "Traceback" not in both, both
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    command = argv[0] if argv and argv[0] in ("plan", "demo", "bench") else None
+    assert lines[0].startswith(f"refit {command}: " if command else "refit: "), lines[0]
+    assert names.format(**places) in lines[0], lines[0]
+    assert proc.stdout == "", proc.stdout  # nothing of the plan, the fleet or the benchmark
+
+
+def test_config_errors_name_the_file(places):
+    proc = refit(PLAN + ["--model", places["zero_heads"]])
+    assert f"{places['zero_heads']}: num_attention_heads must be a positive integer, got 0" in proc.stderr
+
+
+def test_good_input_still_plans(places):
+    """The control: the same small plan with a sound config runs and exits 0."""
+    proc = refit(PLAN + ["--model", places["good"], "--fanout", "off", "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["world"] == 4
