@@ -1,9 +1,11 @@
 """Every ``refit`` command answers bad input in one line on stderr, exit code 2, before it starts anything.
 
-Each case runs the real command in a subprocess, as a user would. The cases are chosen so
-that a command which missed the bad value would go on to its expensive phase (plan a
-model, start Ray, a process fleet or vLLM) and print to stdout: an empty stdout is the
-proof that it stopped before start-up.
+Each case runs the command's real entry point (``refit.cli.main.main``) in this process,
+with every start-up made impossible: Ray and vLLM cannot be imported and a process fleet
+or worker cannot start. A command that missed the bad value would go on to its expensive
+phase and fail there, or print to stdout; an empty stdout and exit code 2 are the proof
+that it stopped before start-up. A few cases also run as a real subprocess, as a user
+would, since in-process is what keeps 60 cases cheap on a small machine.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from refit.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,19 +129,59 @@ def refit(argv: list[str]) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT)
 
 
+class _StartUp(BaseException):
+    """Raised by anything that would start a fleet: not an Exception, so no command can swallow it."""
+
+
+@pytest.fixture
+def no_start_up(monkeypatch):
+    for name in ("ray", "vllm"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import ray` raises ImportError
+    from refit.runtime import handles
+    from refit.testing import launch
+
+    def refuse(*args, **kwargs):
+        raise _StartUp("the command started a fleet before refusing its input")
+
+    monkeypatch.setattr(launch.LocalFleet, "_start", refuse)
+    monkeypatch.setattr(handles.ProcessWorker, "__init__", refuse)
+
+
+def in_process(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.parametrize("argv, names", CASES, ids=[" ".join(a[:1] + a[-2:]) or "no-command" for a, _ in CASES])
-def test_bad_input_is_one_line_exit_2_before_start_up(argv, names, places):
+def test_bad_input_is_one_line_exit_2_before_start_up(argv, names, places, no_start_up, capsys):
+    argv = [a.format(**places) for a in argv]
+    code, stdout, stderr = in_process(argv, capsys)
+    _check_refusal(argv, names.format(**places), code, stdout, stderr)
+
+
+@pytest.mark.parametrize("argv, names", [CASES[0], CASES[12], next(c for c in CASES if c[0][:1] == ["demo"]),
+                                         next(c for c in CASES if c[0][:1] == ["bench"]), CASES[-1]],
+                         ids=["plan-config", "plan-flag", "demo", "bench", "no-command"])
+def test_bad_input_as_a_user_runs_it(argv, names, places):
     argv = [a.format(**places) for a in argv]
     proc = refit(argv)
-    both = proc.stdout + proc.stderr
-    assert proc.returncode == 2, both
+    _check_refusal(argv, names.format(**places), proc.returncode, proc.stdout, proc.stderr)
+
+
+def _check_refusal(argv: list[str], names: str, code: int, stdout: str, stderr: str) -> None:
+    both = stdout + stderr
+    assert code == 2, both
     assert "Traceback" not in both, both
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
     command = argv[0] if argv and argv[0] in ("plan", "demo", "bench") else None
     assert lines[0].startswith(f"refit {command}: " if command else "refit: "), lines[0]
-    assert names.format(**places) in lines[0], lines[0]
-    assert proc.stdout == "", proc.stdout  # nothing of the plan, the fleet or the benchmark
+    assert names in lines[0], lines[0]
+    assert stdout == "", stdout  # nothing of the plan, the fleet or the benchmark
 
 
 def test_config_errors_name_the_file(places):
