@@ -21,7 +21,7 @@ from refit.control import NoAbsentShard, RefitWorkerError
 from refit.errors import InconsistentWeights
 from refit.runtime.handles import ProcessWorker
 from refit.testing.engine import EngineConfig, EngineShard
-from refit.testing.synthetic import SyntheticTrainer
+from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 CALL_S = 120.0
@@ -173,5 +173,87 @@ def test_a_frozen_shard_names_the_healthy_workers_it_left_torn(closing):
         assert all(s["consistent"] for s in states(engines).values())
         for w in [*engines[0], *engines[1]]:
             assert w.call("check_weights", 3).result(CALL_S) == []
+    finally:
+        sync.shutdown()
+
+
+# -- in-process (LocalWorker): the other ways a refit ends after bytes landed ---------------------
+
+class WatchedEngine(SyntheticEngine):
+    """Records what the endpoint tells the engine, and can fail its load of verified weights."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.told: list[str] = []
+        self.broken = False
+
+    def on_weights_inconsistent(self, reason: str) -> None:
+        self.told.append(reason)
+
+    def on_weights_loaded(self) -> None:
+        if self.broken:
+            raise RuntimeError("the engine could not take the new weights")
+        super().on_weights_loaded()
+
+
+def local_fleet(sizes):
+    trainers = [SyntheticTrainer(r, 2, hidden=32) for r in range(2)]
+    engines = [[WatchedEngine(s, w, n, hidden=32) for w in range(n)] for s, n in enumerate(sizes)]
+    return trainers, engines
+
+
+def set_step(trainers, step):
+    for t in trainers:
+        t.set_step(step)
+
+
+@pytest.mark.timeout(120)
+def test_bytes_that_fail_verification_leave_the_engines_torn_and_named_until_the_next_refit():
+    """The reshard path writes straight into the engines' tensors and checks afterwards: a bad
+    checksum means every engine worker holds uncommitted bytes, not only the one that got the bad ones."""
+    trainers, engines = local_fleet([2, 1])
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=20.0)
+    try:
+        set_step(trainers, 1)
+        assert sync.sync_weights().verified
+        trainers[0].refit_inject_fault(peer=2 + 2, byte=3)  # shard 1 worker 0 is rank 4
+        set_step(trainers, 2)
+        with pytest.raises(refit.RefitVerificationError) as info:
+            sync.sync_weights()
+        assert info.value.shards == [1] and info.value.inconsistent == ALL_ENGINE_WORKERS
+        assert "engine weights now inconsistent on: shard 0 worker 0, shard 0 worker 1, shard 1 worker 0" in str(
+            info.value)
+        for shard in engines:
+            for e in shard:
+                # told as each transfer started writing: the first refit's, then this one's
+                assert e.told == ["a refit transfer (epoch 1) is writing into the live weights"] * 2
+                assert e.refit_weights_state()["epoch"] == 1 and e.refit_weights_state()["commits"] == 1
+                with pytest.raises(InconsistentWeights, match="refusing to serve torn weights"):
+                    e.check_weights_consistent()
+        set_step(trainers, 3)
+        res = sync.sync_weights()
+        assert res.verified and not res.inconsistent and sync.inconsistent_workers() == []
+        for shard in engines:
+            for e in shard:
+                e.check_weights_consistent()
+                assert e.check_weights(3) == [] and e.refit_weights_state()["commits"] == 2
+    finally:
+        sync.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_whose_load_fails_stays_torn_and_the_recovered_sync_names_it():
+    trainers, engines = local_fleet([1, 1])
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=20.0)
+    try:
+        engines[1][0].broken = True
+        set_step(trainers, 1)
+        res = sync.sync_weights()
+        assert res.recovered and res.shards == [0] and sync.quarantined_shards == [1]
+        assert res.inconsistent == ["shard 1 worker 0"]
+        state = engines[1][0].refit_weights_state()
+        assert not state["consistent"] and "could not take the new weights" in state["reason"]
+        assert engines[1][0].told[-1] == state["reason"]
+        assert engines[0][0].refit_weights_state()["consistent"]
     finally:
         sync.shutdown()
