@@ -624,14 +624,21 @@ class _SynchronizerBase:
         """
         timeout = self.ping_timeout_s if timeout_s is None else timeout_s
         # every worker of a shard is asked at once: an engine may reach its workers only together
-        asked = {f"shard {s} worker {i}": (w, w.call("refit_weights_state"))
-                 for s, ws in enumerate(self._engines) for i, w in enumerate(ws) if not w.is_dead()}
-        settle_before_propagating([p for _, p in asked.values()], timeout, "weights state")
+        asked = {}
+        for s, ws in enumerate(self._engines):
+            for i, w in enumerate(ws):
+                if not w.is_dead():
+                    with contextlib.suppress(Exception):  # judged below by what it was sent
+                        asked[f"shard {s} worker {i}"] = (w, w.call("refit_weights_state"))
+                    asked.setdefault(f"shard {s} worker {i}", (w, None))
+        settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
         torn = []
         for label, (w, p) in asked.items():
             if w.is_dead():
                 continue
             try:
+                if p is None:
+                    raise RefitError("not asked")
                 if not p.done():
                     self._abandoned.append(p)
                     raise TimeoutError

@@ -433,7 +433,10 @@ class _RefitEndpoint:
             return st.executor.run(src, dst, verify=verify, corrupt=fault)
 
     def refit_commit(self, epoch: int) -> None:
-        """The controller verified the transfer of ``epoch``: tell the actor (engines only)."""
+        """The controller verified the transfer of ``epoch``: tell the actor (engines only).
+
+        An engine's weights are whole again once its ``on_weights_loaded`` has returned.
+        """
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_commit")
