@@ -161,6 +161,8 @@ class _SynchronizerBase:
         # shards whose engine could not take verified weights (their commit failed): left out of
         # every refit until replace_shard hands in a fresh one, though their workers are alive
         self._quarantined: set[int] = set()
+        # engine workers sent a transfer that was not committed since: torn unless they say otherwise
+        self._suspects: dict[int, Any] = {}  # id(handle) -> handle
 
     @classmethod
     def from_fleet(cls, fleet: Any, **kwargs: Any):
@@ -497,9 +499,15 @@ class _SynchronizerBase:
         self._steps += 1
         rec = self._rec = Recorder(self._steps, self.on_phase)
         try:
-            return self._sync(rec)
+            result = self._sync(rec)
+        except RefitError as e:
+            self._name_inconsistent(e)
+            raise
         finally:
             self._rec = None
+        if result.recovered:  # a shard left out after its transfer started may hold torn weights
+            result.inconsistent = self.inconsistent_workers()
+        return result
 
     def _sync(self, rec: Recorder) -> SyncResult:
         try:
@@ -546,6 +554,8 @@ class _SynchronizerBase:
                 self._build(desired)
             rec.result.rebuilt = True
         members = self._members
+        engines = [m for m in members if m.shard is not None]
+        self._suspects.update({id(m.worker): m.worker for m in engines})  # before a byte can land
         with rec.phase("transfer"):
             t0 = time.monotonic()
             try:
@@ -567,9 +577,10 @@ class _SynchronizerBase:
             with rec.phase("verify"):
                 self._verify(reports)
             res.verified = True
-        engines = [m for m in members if m.shard is not None]
         with rec.phase("commit"):
             self._round("commit", self._call_all(engines, "refit_commit", self._epoch), self._round_timeout_s())
+        for m in engines:
+            self._suspects.pop(id(m.worker), None)
 
     def _recover(self, failure: RefitWorkerError, rec: Recorder) -> None:
         """The failed round is already settled: find the dead, exclude their shards, rebuild."""
@@ -604,6 +615,55 @@ class _SynchronizerBase:
                 phase=failure.phase, failures=failure.failures, timed_out=[m.label for m in silent]) from failure
         rec.note("absent", f"shards {absent}")
         rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
+
+    def inconsistent_workers(self, timeout_s: float | None = None) -> list[str]:
+        """Engine workers whose live weights are torn: a refit wrote into them and did not complete.
+
+        Every live engine worker is asked (``refit_weights_state``): its own record is the one
+        that holds when a controller or a peer died mid-transfer. A worker that does not answer
+        within ``timeout_s`` (the ping timeout by default), frozen say, is counted when this
+        controller sent it a transfer that was never committed. The dead are left out: they
+        serve nothing. Such workers refuse to serve until a refit completes.
+        """
+        timeout = self.ping_timeout_s if timeout_s is None else timeout_s
+        # every worker of a shard is asked at once: an engine may reach its workers only together
+        asked = {}
+        for s, ws in enumerate(self._engines):
+            for i, w in enumerate(ws):
+                if not w.is_dead():
+                    with contextlib.suppress(Exception):  # judged below by what it was sent
+                        asked[f"shard {s} worker {i}"] = (w, w.call("refit_weights_state"))
+                    asked.setdefault(f"shard {s} worker {i}", (w, None))
+        settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
+        torn = []
+        for label, (w, p) in asked.items():
+            if w.is_dead():
+                continue
+            try:
+                if p is None:
+                    raise RefitError("not asked")
+                if not p.done():
+                    self._abandoned.append(p)
+                    raise TimeoutError
+                consistent = p.result(0).get("consistent", True)
+            except Exception:  # noqa: BLE001 - silent, or an endpoint that cannot say: judged by what it was sent
+                consistent = id(w) not in self._suspects
+            if consistent:
+                self._suspects.pop(id(w), None)
+            else:
+                torn.append(label)
+        return torn
+
+    def _name_inconsistent(self, error: RefitError) -> None:
+        """Name in a failed refit's error every engine worker it left torn, not only the one that failed."""
+        try:
+            torn = self.inconsistent_workers()
+        except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
+            return
+        error.inconsistent = torn
+        if torn and error.args:
+            error.args = (f"{error.args[0]}; engine weights now inconsistent on: {', '.join(torn)} "
+                          "(they refuse to serve until a refit completes)", *error.args[1:])
 
     def _verify(self, reports: dict[_Member, dict]) -> None:
         labels = {m.rank: (m.label, m.shard) for m in self._members}
