@@ -616,24 +616,29 @@ class _SynchronizerBase:
         rec.note("absent", f"shards {absent}")
         rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
 
-    def inconsistent_workers(self, timeout_s: float | None = None) -> list[str]:
+    def inconsistent_workers(self, timeout_s: float | None = None, *, silent: Sequence[str] = ()) -> list[str]:
         """Engine workers whose live weights are torn: a refit wrote into them and did not complete.
 
         Every live engine worker is asked (``refit_weights_state``): its own record is the one
         that holds when a controller or a peer died mid-transfer. A worker that does not answer
         within ``timeout_s`` (the ping timeout by default), frozen say, is counted when this
         controller sent it a transfer that was never committed. The dead are left out: they
-        serve nothing. Such workers refuse to serve until a refit completes.
+        serve nothing. Such workers refuse to serve until a refit completes. Workers named in
+        ``silent`` (already found unresponsive) are judged the same way without being asked, so
+        a frozen worker does not cost a failing refit another timeout.
         """
         timeout = self.ping_timeout_s if timeout_s is None else timeout_s
         # every worker of a shard is asked at once: an engine may reach its workers only together
         asked = {}
         for s, ws in enumerate(self._engines):
             for i, w in enumerate(ws):
-                if not w.is_dead():
+                label = f"shard {s} worker {i}"
+                if w.is_dead():
+                    continue
+                if label not in silent:
                     with contextlib.suppress(Exception):  # judged below by what it was sent
-                        asked[f"shard {s} worker {i}"] = (w, w.call("refit_weights_state"))
-                    asked.setdefault(f"shard {s} worker {i}", (w, None))
+                        asked[label] = (w, w.call("refit_weights_state"))
+                asked.setdefault(label, (w, None))
         settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
         torn = []
         for label, (w, p) in asked.items():
@@ -657,7 +662,7 @@ class _SynchronizerBase:
     def _name_inconsistent(self, error: RefitError) -> None:
         """Name in a failed refit's error every engine worker it left torn, not only the one that failed."""
         try:
-            torn = self.inconsistent_workers()
+            torn = self.inconsistent_workers(silent=getattr(error, "timed_out", None) or ())
         except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
             return
         error.inconsistent = torn
