@@ -36,6 +36,7 @@ class _Killer:
         self.kill, self.plan = kill, list(plan)
         self.timers: list[threading.Timer] = []
         self.fired: list[tuple[int, int]] = []
+        self.at: list[float] = []  # time.monotonic() of each kill
         self.phases: list[str] = []  # the phase the sync was in as each kill landed
         self.now = ""
 
@@ -50,6 +51,7 @@ class _Killer:
 
     def _fire(self, target: tuple[int, int]) -> None:
         self.kill(target)
+        self.at.append(time.monotonic())
         self.fired.append(target)
         self.phases.append(self.now)
 
@@ -98,7 +100,8 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
             f.result(60)
 
     def check(shards) -> dict:
-        calls = {(s, w): es[s][w].call("check_weights", step) for s in shards for w in range(sizes[s])}
+        calls = {(s, w): es[s][w].call("check_weights", step) for s in shards for w in range(sizes[s])
+                 if not es[s][w].is_dead()}  # one killed after its sync verified it has nothing to show
         return {k: bad for k, f in calls.items() if (bad := f.result(60))}
 
     def kill(target: tuple[int, int]) -> None:
@@ -144,11 +147,15 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
             t0 = time.monotonic()
             try:
                 res = sync.sync_weights()
-                elapsed = time.monotonic() - t0
-                killer.join()
-                fig["syncs"] += 1
+            except Exception as e:  # noqa: BLE001 - every error is judged below: named and bounded
+                res, error = None, e
+            ended = time.monotonic()
+            elapsed = ended - t0
+            killer.join()
+            fig["syncs"] += 1
+            if res is not None:
                 bad = check(res.shards)
-                killed_in = {s for s, _ in killer.fired}
+                killed_in = {s for (s, _), at in zip(killer.fired, killer.at) if at < ended}
                 if not res.verified or bad or killed_in & set(res.shards):
                     fig["wrong_weights"].append({"step": step, "bad": str(bad), "shards": res.shards,
                                                  "killed": killer.fired})
@@ -157,12 +164,9 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                     fig["readmitted"] += len([s for s in healed if s in res.shards])
                 fig["max_verified_s"] = max(fig["max_verified_s"], elapsed)
                 outcome = f"verified over {res.shards} in {elapsed:.2f}s"
-            except Exception as e:  # noqa: BLE001 - every error is judged below: named and bounded
-                elapsed = time.monotonic() - t0
-                killer.join()
-                fig["syncs"] += 1
+            else:
                 fig["raised"] += 1
-                text = f"{type(e).__name__}: {e}"
+                text = f"{type(error).__name__}: {error}"
                 fig["errors"].append(text[:300])
                 fig["max_error_s"] = max(fig["max_error_s"], elapsed)
                 if not any(f"shard {s} worker {w}" in text for s, w in killer.fired):
@@ -170,7 +174,8 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                 if elapsed > bound_s:
                     fig["slow_errors"].append(round(elapsed, 2))
                 outcome = f"raised in {elapsed:.2f}s: {text[:200]}"
-            for phase in killer.phases:
+            for phase, at in zip(killer.phases, killer.at):
+                phase = phase if at < ended else "after the sync"
                 fig["kills_by_phase"][phase] = fig["kills_by_phase"].get(phase, 0) + 1
             fig["kills"] += len(killer.fired)
             fig["kills_by_mode"][mode] += len(killer.fired)
