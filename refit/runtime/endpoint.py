@@ -282,14 +282,19 @@ class _RefitEndpoint:
         The old communicator is aborted first. The rank joins before it inspects its own
         tensors, so that a bad tensor fails this call quickly instead of leaving the other
         ranks waiting in the rendezvous for a rank that never comes.
+
+        The whole call is bounded by ``spec.timeout_s``: a peer that dies during the
+        rendezvous held the others in gloo's connect five times that long, and a worker
+        answers one call at a time, so the controller's recovery queued behind them.
         """
         st = self._refit_state()
         with st.lock:
+            deadline = time.monotonic() + spec.timeout_s
             self._refit_drop_group()
             st.spec, st.epoch, st.layouts, st.shards = spec, spec.epoch, {}, {}
             try:
                 if spec.rank != 0:
-                    _wait_for_listener(spec.address, spec.port, time.monotonic() + spec.timeout_s)
+                    _wait_for_listener(spec.address, spec.port, deadline)
                 # the actor's tensors are read once per build: the roster, the device and the
                 # executor's binding all come from this one call
                 shards = {n: as_local_shard(n, v) for n, v in self._refit_tensors().items()}
@@ -297,7 +302,7 @@ class _RefitEndpoint:
                 st.group = StatelessProcessGroup(
                     spec.address, spec.port, spec.rank, spec.world_size,
                     backend=spec.backend, timeout_s=spec.timeout_s, name=f"refit/{spec.epoch}", device=device,
-                    secret=spec.secret,
+                    secret=spec.secret, init_timeout_s=max(deadline - time.monotonic(), 0.1),
                 )
             except Exception as e:
                 raise TransportError(f"{self._refit_label()}: could not join the refit communicator "
