@@ -50,6 +50,7 @@ class SyncResult:
     recovery_s: float | None = None
     failure: str | None = None
     inconsistent: list[str] = field(default_factory=list)  # after a recovery: engine workers left torn
+    version: int | None = None  # the weights version the engines serve after this refit
     events: list[SyncEvent] = field(default_factory=list)
 
 

@@ -175,6 +175,8 @@ class _SynchronizerBase:
         self._quarantined: set[int] = set()
         # engine workers sent a transfer that was not committed since: torn unless they say otherwise
         self._suspects: dict[int, Any] = {}  # id(handle) -> handle
+        self.weights_version = 0  # the version the last committed refit gave the engines' weights
+        self._next_version: int | None = None
 
     @classmethod
     def from_fleet(cls, fleet: Any, **kwargs: Any):
@@ -509,8 +511,12 @@ class _SynchronizerBase:
         settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
 
     # -- sync --------------------------------------------------------------------------------
-    def sync_weights(self) -> SyncResult:
+    def sync_weights(self, version: int | None = None) -> SyncResult:
         """Move the weights, verify them, tell the engines; recover once from a lost shard.
+
+        The engines' weights become ``version`` (``SyncResult.version``): by default one more
+        than the newest any engine or this synchronizer has seen, so versions only grow, also
+        across synchronizers over the same engines; a trainer may pass its step instead.
 
         Raises:
             RefitVerificationError: bytes arrived corrupted (names the shards and params).
@@ -520,6 +526,7 @@ class _SynchronizerBase:
         """
         self._check_open()
         self._steps += 1
+        self._next_version = version
         rec = self._rec = Recorder(self._steps, self.on_phase)
         try:
             result = self._sync(rec)
@@ -601,7 +608,21 @@ class _SynchronizerBase:
                 self._verify(reports)
             res.verified = True
         with rec.phase("commit"):
-            self._round("commit", self._call_all(engines, "refit_commit", self._epoch), self._round_timeout_s())
+            # Two phases, so that a shard never serves a mix and the fleet never splits over a
+            # refit: no worker switches before every worker of every shard has said its verified
+            # transfer waits whole (staged engines keep serving version N until then). If one
+            # cannot (it died, its staging did not land), none switches: all stay on N, and
+            # recovery retries over the survivors, who then switch together.
+            prepared = self._round("prepare commit", self._call_all(engines, "refit_prepare_commit", self._epoch),
+                                   self._round_timeout_s())
+            served = [r.get("version") for r in prepared.values() if isinstance(r, dict)]
+            version = max([self.weights_version, *(v for v in served if v is not None)]) + 1
+            if self._next_version is not None:
+                version = max(version, self._next_version)
+            self._round("commit", self._call_all(engines, "refit_commit", self._epoch, version=version),
+                        self._round_timeout_s())
+        self.weights_version = res.version = version
+        self._next_version = None
         for m in engines:
             self._suspects.pop(id(m.worker), None)
 

@@ -43,6 +43,7 @@ from refit.transport.factory import make_executor
 
 __all__ = [
     "ConnectSpec",
+    "Staging",
     "EngineEndpoint",
     "LocalShard",
     "TrainerEndpoint",
@@ -132,6 +133,22 @@ class _OneShotCorruption:
         self.fired = True
 
 
+@dataclass(frozen=True)
+class Staging:
+    """How an engine stages a refit: where the copies live and how the switch is made.
+
+    ``device_fraction`` of the model's bytes (params in name order) is staged on the engine's
+    device, the rest in host memory; the switch copies both into the live weights. At 1.0,
+    an engine that keeps a second set of its weights (``refit_staging_destinations``) is
+    switched by a pointer swap (``on_weights_swap``) instead of a copy.
+    ``require_version``: refuse to serve until a refit has committed a version, so an engine
+    started or restarted with no weights of the current run never answers a request.
+    """
+
+    device_fraction: float = 1.0
+    require_version: bool = True
+
+
 # -- endpoint state ---------------------------------------------------------------------
 
 @dataclass
@@ -155,6 +172,15 @@ class _State:
     committed_epoch: int = -1  # the build whose transfer was last committed and loaded
     commits: int = 0  # refits committed and loaded by this endpoint
     nixl: Any = None  # refit.transport.nixl.NixlTransport, when the synchronizer runs transport="nixl"
+    # -- versions and staging (engines) --
+    weights_version: int | None = None  # the version the live weights are; None until a refit commits one
+    staging: Staging | None = None  # set by refit_configure_staging: transfers land beside the live weights
+    staged_epoch: int = -1  # the build whose transfer landed whole in the staging copies (not yet switched)
+    prepared_epoch: int = -1  # the staged transfer this worker promised it can switch to (refit_prepare_commit)
+    # copy mode: name -> (id of the live tensor, its staging copy)
+    staging_buffers: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    serving: threading.Condition = field(default_factory=threading.Condition)  # held for one engine step, or a switch
+    switches: list[dict] = field(default_factory=list)  # the last switches: version, mode, seconds
 
 
 class _RefitEndpoint:
@@ -419,6 +445,7 @@ class _RefitEndpoint:
                 failure = (RefitAborted if isinstance(e, RefitAborted) else TransportError,
                            f"{type(e).__name__}: {_first_line(e)}")
             if failure is None:
+                self._refit_transfer_landed(epoch)
                 return {
                     "rank": st.spec.rank, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
                     "local_bytes": stats.local_bytes, "seconds": stats.seconds,
@@ -441,21 +468,41 @@ class _RefitEndpoint:
             fault, st.fault = st.fault, None
             return st.executor.run(src, dst, verify=verify, corrupt=fault)
 
-    def refit_commit(self, epoch: int) -> None:
+    def refit_prepare_commit(self, epoch: int) -> dict:
+        """Phase one of the commit: say whether this rank can switch to the transfer of ``epoch``.
+
+        Returns ``{"version": the version served now, "staged": whether the transfer waits in
+        staging}``. Raises when a staged transfer of ``epoch`` did not land whole here, so that
+        the controller switches no worker of any shard.
+        """
+        st = self._refit_state()
+        with st.lock:
+            self._refit_check_epoch(epoch, "refit_prepare_commit")
+            self._refit_prepare(epoch)
+            return {"version": st.weights_version, "staged": st.staging is not None}
+
+    def _refit_prepare(self, epoch: int) -> None:
+        pass
+
+    def refit_commit(self, epoch: int, version: int | None = None) -> None:
         """The controller verified the transfer of ``epoch``: tell the actor (engines only).
 
-        An engine's weights are whole again once its ``on_weights_loaded`` has returned.
+        An engine's weights are whole again once its ``on_weights_loaded`` has returned; they
+        are then version ``version`` (one more than the last, when the controller gives none).
         """
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_commit")
             st.loaded_epoch = epoch
-        self._refit_committed()
+        self._refit_committed(version)
 
-    def _refit_committed(self) -> None:
+    def _refit_committed(self, version: int | None) -> None:
         pass
 
     def _refit_transfer_starts(self, epoch: int) -> None:
+        pass
+
+    def _refit_transfer_landed(self, epoch: int) -> None:
         pass
 
     def _refit_transfer_failed(self, epoch: int, msg: str) -> None:
@@ -546,12 +593,30 @@ class EngineEndpoint(_RefitEndpoint):
     the engine; ``refit_weights_state()`` and ``check_weights_consistent()`` ask. An endpoint
     whose transfers land in side buffers, loaded at commit, says so by returning False from
     ``_refit_in_place`` and marks itself while its load runs (``mark_weights_inconsistent``).
+
+    Staged refit (``refit_configure_staging``): a transfer lands in a staging copy of every
+    destination while the engine keeps serving its live weights, and the commit switches
+    between two engine steps (``serving_step``), by a copy or a pointer swap. Generation
+    then stalls for the switch, not for the transfer, and a transfer that fails leaves the
+    live weights whole. Every commit gives the live weights a version (``weights_version``).
     """
 
     _refit_role = "dst"
 
     def refit_destinations(self) -> Mapping[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement refit_destinations()")
+
+    def refit_staging_destinations(self) -> Mapping[str, Any] | None:
+        """A second set of weights laid out as ``refit_destinations()``, for a pointer swap; None: copy.
+
+        An engine that can serve from either of two sets of tensors returns the set it does
+        not serve from now, and swaps the two in ``on_weights_swap``.
+        """
+        return None
+
+    def on_weights_swap(self) -> None:
+        """Serve from the set ``refit_staging_destinations()`` returned (called between two steps)."""
+        raise NotImplementedError(f"{type(self).__name__} returned staging destinations but cannot swap them")
 
     def on_weights_loaded(self) -> None:
         """Called after new weights landed and were verified (e.g. to re-process them)."""
@@ -563,23 +628,104 @@ class EngineEndpoint(_RefitEndpoint):
         started, then failed). They are whole again once ``on_weights_loaded`` has returned.
         """
 
+    # -- staging ---------------------------------------------------------------------------
+    def refit_configure_staging(self, staged: bool = True, *, device_fraction: float = 1.0,
+                                require_version: bool = True) -> dict:
+        """Land later transfers beside the live weights (``staged``) or in them; from the next build on.
+
+        The staging copies are made once and kept while the live tensors stay the same
+        objects, so every refit reuses them. Returns what ``refit_weights_state`` says.
+        """
+        if not 0.0 <= device_fraction <= 1.0:
+            raise RefitError(f"device_fraction must be within [0, 1], got {device_fraction!r}")
+        st = self._refit_state()
+        with st.lock:
+            st.staging = Staging(float(device_fraction), bool(require_version)) if staged else None
+            st.staging_buffers, st.staged_epoch, st.prepared_epoch = {}, -1, -1
+        return self.refit_weights_state()
+
+    def _refit_swaps(self) -> bool:
+        st = self._refit_state()
+        return (st.staging is not None and st.staging.device_fraction >= 1.0
+                and type(self).refit_staging_destinations is not EngineEndpoint.refit_staging_destinations)
+
     def _refit_tensors(self) -> dict[str, LocalShard]:
-        return dict(self.refit_destinations())
+        st = self._refit_state()
+        live = dict(self.refit_destinations())
+        if st.staging is None:
+            return live
+        if self._refit_swaps():
+            return dict(self.refit_staging_destinations())
+        shards = {n: as_local_shard(n, v) for n, v in live.items()}
+        self._refit_stage_buffers(shards)
+        return {n: LocalShard(st.staging_buffers[n][1], s.global_shape, s.mesh, s.placements)
+                for n, s in shards.items()}
+
+    def _refit_stage_buffers(self, shards: Mapping[str, LocalShard]) -> None:
+        """Copy mode: one staging tensor per destination, made once per live tensor.
+
+        The first ``device_fraction`` of the bytes (params in name order) is staged on the
+        live tensors' device and the rest in host memory (pinned under CUDA), so that the
+        device holds at most that fraction of a second model.
+        """
+        st = self._refit_state()
+        if all(st.staging_buffers.get(n, (None,))[0] == id(s.tensor) for n, s in shards.items()) \
+                and len(st.staging_buffers) == len(shards):
+            return
+        total = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
+        budget, used, out = st.staging.device_fraction * total, 0, {}
+        for name in sorted(shards):
+            live = shards[name].tensor
+            old = st.staging_buffers.get(name)
+            nbytes = live.numel() * live.element_size()
+            on_device = used + nbytes <= budget or live.device.type == "cpu"
+            used += nbytes if on_device else 0
+            if old is not None and old[0] == id(live):
+                out[name] = old
+                continue
+            if on_device:
+                buf = torch.empty_like(live, memory_format=torch.contiguous_format)
+            else:
+                buf = torch.empty(live.shape, dtype=live.dtype, pin_memory=torch.cuda.is_available())
+            out[name] = (id(live), buf)
+        st.staging_buffers = out
 
     def _refit_in_place(self) -> bool:
         """Whether a transfer writes into the live weights (True) or into buffers loaded at commit."""
-        return True
+        return self._refit_state().staging is None
 
     def _refit_transfer_starts(self, epoch: int) -> None:
+        st = self._refit_state()
+        st.staged_epoch = st.prepared_epoch = -1  # the staging copies are about to be overwritten
         if self._refit_in_place():
-            self.mark_weights_inconsistent(f"a refit transfer (epoch {epoch}) is writing into the live weights")
+            # the step in flight ends before the first byte lands; no later step reads torn weights
+            with st.serving:
+                self.mark_weights_inconsistent(f"a refit transfer (epoch {epoch}) is writing into the live weights")
+
+    def _refit_transfer_landed(self, epoch: int) -> None:
+        st = self._refit_state()
+        if st.staging is not None:
+            st.staged_epoch = epoch
 
     def _refit_transfer_failed(self, epoch: int, msg: str) -> None:
         if self._refit_in_place():
             self.mark_weights_inconsistent(f"the refit transfer of epoch {epoch} failed part way: {msg}")
 
-    def _refit_committed(self) -> None:
+    def _refit_prepare(self, epoch: int) -> None:
         st = self._refit_state()
+        if st.staging is not None:
+            if st.staged_epoch != epoch:
+                raise RefitError(f"{self._refit_label()}: no whole staged transfer of epoch {epoch} to switch to "
+                                 f"(staged: {st.staged_epoch}); no worker switches")
+            st.prepared_epoch = epoch
+
+    def _refit_committed(self, version: int | None) -> None:
+        st = self._refit_state()
+        if version is None:
+            version = (st.weights_version or 0) + 1
+        if st.staging is not None:
+            self._refit_switch(version, f"commit of epoch {st.loaded_epoch}")
+            return
         try:
             self.on_weights_loaded()
         except BaseException as e:
@@ -587,8 +733,73 @@ class EngineEndpoint(_RefitEndpoint):
                 self.mark_weights_inconsistent(f"loading the verified weights of epoch {st.loaded_epoch} failed: "
                                                f"{type(e).__name__}: {_first_line(e)}")
             raise
-        st.committed_epoch, st.commits = st.loaded_epoch, st.commits + 1
-        self.mark_weights_consistent()
+        with st.serving:
+            st.committed_epoch, st.commits, st.weights_version = st.loaded_epoch, st.commits + 1, version
+            self.mark_weights_consistent()
+            st.serving.notify_all()
+
+    def _refit_switch(self, version: int, why: str) -> None:
+        """Serve the staged weights as ``version``, between two steps; a no-op if already switched.
+
+        A worker of a shard may switch first, from its step loop, when a peer of the same
+        shard already serves ``version`` (``refit_catch_up``): the controller commits only
+        once every worker prepared, so a peer's switch is the decision.
+        """
+        st = self._refit_state()
+        with st.serving:
+            if st.weights_version == version and st.prepared_epoch == -1:
+                return
+            if st.prepared_epoch == -1 or st.prepared_epoch != st.staged_epoch:
+                raise InconsistentWeights(f"{self._refit_label()}: cannot switch to version {version} ({why}): "
+                                          "no prepared staged transfer")
+            t0 = time.perf_counter()
+            if self._refit_swaps():
+                self.on_weights_swap()
+                mode = "swap"
+            else:
+                live = {n: as_local_shard(n, v).tensor for n, v in self.refit_destinations().items()}
+                for name, t in live.items():
+                    t.copy_(st.staging_buffers[name][1], non_blocking=True)
+                if any(t.device.type == "cuda" for t in live.values()):
+                    torch.cuda.synchronize()
+                mode = "copy"
+            self.on_weights_loaded()
+            seconds = time.perf_counter() - t0
+            st.committed_epoch, st.commits, st.weights_version = st.prepared_epoch, st.commits + 1, version
+            st.staged_epoch = st.prepared_epoch = -1
+            st.switches = [*st.switches[-63:], {"version": version, "mode": mode, "seconds": seconds}]
+            self.mark_weights_consistent()
+            st.serving.notify_all()
+
+    def refit_catch_up(self, version: int) -> bool:
+        """Switch to ``version`` now if this worker prepared it; whether it could (called inside a step)."""
+        st = self._refit_state()
+        if st.staging is None or st.prepared_epoch == -1:
+            return False
+        self._refit_switch(version, "a peer of this shard already serves it")
+        return True
+
+    def serving_step(self) -> _ServingStep:
+        """Hold the live weights for one engine step: a switch waits for it, and it for a switch.
+
+        What an engine's step loop wraps every step in. Refuses (``InconsistentWeights``)
+        while the weights are torn, or, staged, before any version was committed. Gives the
+        version served.
+        """
+        return _ServingStep(self)
+
+    def refit_wait_version(self, newer_than: int | None, timeout_s: float) -> int | None:
+        """Wait until the live weights are whole and newer than ``newer_than``; the version then."""
+        st = self._refit_state()
+        deadline = time.monotonic() + timeout_s
+        with st.serving:
+            while not (st.consistent and st.weights_version is not None
+                       and (newer_than is None or st.weights_version > newer_than)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                st.serving.wait(left)
+            return st.weights_version
 
     def mark_weights_inconsistent(self, reason: str) -> None:
         """Record that the live weights are torn, and tell the engine (``on_weights_inconsistent``)."""
@@ -607,11 +818,25 @@ class EngineEndpoint(_RefitEndpoint):
     def refit_weights_state(self) -> dict:
         """``consistent``, the ``epoch`` and count (``commits``) of the last refit committed, and the ``reason``.
 
-        Read without the endpoint's lock, so that it answers while a transfer runs.
+        Also the ``version`` served (None before the first commit), whether transfers are
+        ``staged``, the epoch waiting in staging (``staged_epoch``, -1 for none) and the last
+        ``switch`` (its mode and seconds). Read without the endpoint's lock, so that it
+        answers while a transfer runs.
         """
         st = self._refit_state()
         return {"consistent": st.consistent, "epoch": st.committed_epoch, "commits": st.commits,
-                "reason": st.inconsistent_reason, "label": self._refit_label()}
+                "reason": st.inconsistent_reason, "label": self._refit_label(), "version": st.weights_version,
+                "staged": st.staging is not None, "staged_epoch": st.staged_epoch,
+                "switch": st.switches[-1] if st.switches else None}
+
+    def refit_switches(self) -> list[dict]:
+        """The last switches of a staged refit: ``version``, ``mode`` (swap or copy), ``seconds``."""
+        return list(self._refit_state().switches)
+
+    @property
+    def weights_version(self) -> int | None:
+        """The version of the live weights: None until a refit commits one."""
+        return self._refit_state().weights_version
 
     def check_weights_consistent(self) -> None:
         """Raise ``InconsistentWeights`` while the live weights are torn: what a serving entry point calls first."""
@@ -619,6 +844,27 @@ class EngineEndpoint(_RefitEndpoint):
         if not st.consistent:
             raise InconsistentWeights(f"{self._refit_label()}: refusing to serve torn weights "
                                       f"({st.inconsistent_reason}); a refit must complete first")
+        if st.staging is not None and st.staging.require_version and st.weights_version is None:
+            raise InconsistentWeights(f"{self._refit_label()}: refusing to serve before a refit brought this "
+                                      "worker to the current weights version")
+
+
+class _ServingStep:
+    def __init__(self, endpoint: EngineEndpoint):
+        self.endpoint = endpoint
+        self.cond = endpoint._refit_state().serving
+
+    def __enter__(self) -> int | None:
+        self.cond.acquire()
+        try:
+            self.endpoint.check_weights_consistent()
+        except BaseException:
+            self.cond.release()
+            raise
+        return self.endpoint._refit_state().weights_version
+
+    def __exit__(self, *exc) -> None:
+        self.cond.release()
 
 
 def _wait_for_listener(address: str, port: int, deadline: float) -> None:

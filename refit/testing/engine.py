@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -192,8 +193,12 @@ class EngineShard(EngineEndpoint):
         self.expert_parallel, self.e_inter = expert_parallel, layout.expert_inter
         self.experts = layout.experts  # the routed experts this worker computes
         self.vocab = layout.vocab
-        self.weights, self._views = layout.build(lambda shape: torch.full(shape, fill, dtype=dtype, device=self.device))
+        self._alloc = lambda shape: torch.full(shape, fill, dtype=dtype, device=self.device)
+        self.weights, self._views = layout.build(self._alloc)
+        self._standby: tuple[dict, dict] | None = None  # the second set of weights a staged refit lands in
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.step_version: int | None = None  # the weights version the last forward ran under
+        self.step_times: list[float] | None = None  # when recording: the end of every forward
 
     # -- what refit sees -----------------------------------------------------------------------
     def destinations(self, offset: int = 0) -> dict[str, Entry]:
@@ -203,6 +208,21 @@ class EngineShard(EngineEndpoint):
     def refit_destinations(self) -> dict[str, Entry]:
         """The ``EngineEndpoint`` hook: the views, meshes in the shard's own workers ``0..tp-1``."""
         return self.destinations(0)
+
+    def refit_staging_destinations(self) -> dict[str, Entry]:
+        """Staged refit: the views of a second set of fused weights, which ``on_weights_swap`` serves from.
+
+        A swap of two dict references is the whole switch, so generation stalls for no copy.
+        """
+        if self._standby is None:
+            self._standby = self.layout.build(self._alloc)
+        return offset_entries(self._standby[1], 0)
+
+    def on_weights_swap(self) -> None:
+        """Serve the staged set; the old live set becomes the next refit's staging."""
+        if self._standby is None:
+            raise LayoutError("on_weights_swap: no staged weights (refit_staging_destinations was never asked)")
+        (self.weights, self._views), self._standby = self._standby, (self.weights, self._views)
 
     def on_weights_loaded(self) -> None:
         """After a verified refit: the views already wrote the fused tensors; count the version."""
@@ -295,7 +315,15 @@ class EngineShard(EngineEndpoint):
         Refuses (``InconsistentWeights``) while a refit that wrote into the weights has not
         completed: torn weights give plausible logits of no model at all.
         """
-        self._check_shard_consistent()
+        with self.serving_step():
+            self._check_shard_consistent()
+            self.step_version = self.weights_version
+            logits = self._forward(input_ids)
+        if self.step_times is not None:
+            self.step_times.append(time.perf_counter())
+        return logits
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s, w = self.spec, self.weights
         ids = input_ids.to(self.device)
         lo = self.rank * self.vocab
@@ -316,23 +344,54 @@ class EngineShard(EngineEndpoint):
 
     def _check_shard_consistent(self) -> None:
         """Every TP rank refuses when any rank of the shard is torn; one refusing alone would leave
-        the others waiting in the forward's first collective."""
-        mine = self.refit_weights_state()["consistent"]
+        the others waiting in the forward's first collective.
+
+        Staged, the ranks also agree on the version: the controller's commit reaches the
+        workers of a shard one by one, so a step may start with some of them switched. A rank
+        behind that prepared the staged weights switches now (the controller commits only
+        after every worker prepared, so a peer's switch is the decision); if one cannot, every
+        rank refuses the step rather than compute it from two versions.
+        """
+        state = self.refit_weights_state()
+        mine = state["consistent"]
         if self.tp > 1:
-            torn = self.comm.all_reduce(torch.tensor([0.0 if mine else 1.0], device=self.device))
-            if mine and torn.item() > 0:
+            staged = state["staged"]
+            me = [0.0 if mine else 1.0, -1.0 if state["version"] is None else float(state["version"]),
+                  1.0 if self._refit_state().prepared_epoch != -1 else 0.0]
+            rows = torch.stack(self.comm.all_gather(torch.tensor(me, dtype=torch.float64, device=self.device))).cpu()
+            torn, versions, prepared = rows[:, 0], rows[:, 1], rows[:, 2]
+            top = versions.max().item()
+            if staged and versions.min().item() < top:
+                behind = versions < top
+                if not bool((prepared[behind] > 0).all()):
+                    raise InconsistentWeights(f"{self._refit_label()}: refusing to serve: the workers of this shard "
+                                              f"hold versions {versions.tolist()} and one behind cannot switch")
+                if me[1] < top:
+                    self.refit_catch_up(int(top))
+            if mine and torn.sum().item() > 0:
                 raise InconsistentWeights(f"{self._refit_label()}: refusing to serve: another worker of this shard "
                                           "holds torn weights; a refit must complete first")
         self.check_weights_consistent()
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy tokens ``[batch, max_new_tokens]`` (no KV cache: the model is tiny)."""
-        ids = input_ids
+        """Greedy tokens ``[batch, max_new_tokens]`` (no KV cache: the model is tiny).
+
+        ``last_versions`` then holds the weights version each token was produced under: a
+        staged refit may switch between two tokens of one sequence.
+        """
+        return self.generate_versioned(input_ids, max_new_tokens)[0]
+
+    @torch.no_grad()
+    def generate_versioned(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, list]:
+        """``generate``, and the weights version of every token."""
+        ids, versions = input_ids, []
         for _ in range(max_new_tokens):
             nxt = self.forward(ids)[:, -1].argmax(-1, keepdim=True)
+            versions.append(self.step_version)
             ids = torch.cat([ids, nxt.to(ids.device)], dim=1)
-        return ids[:, input_ids.shape[1]:]
+        self.last_versions = versions
+        return ids[:, input_ids.shape[1]:], versions
 
     def __repr__(self) -> str:
         ep = ", expert_parallel" if self.expert_parallel else ""
@@ -396,8 +455,64 @@ class EngineWorker(EngineShard):
     def logits(self, prompt: Sequence[int], new_tokens: int = 4) -> dict:
         """Logits and greedy tokens on ``prompt`` (collective over the shard's workers)."""
         ids = torch.tensor([list(prompt)])
-        return {"logits": self.forward(ids).cpu(), "tokens": self.generate(ids, new_tokens).cpu(),
-                "version": self.version}
+        logits = self.forward(ids).cpu()
+        tokens, versions = self.generate_versioned(ids, new_tokens)
+        return {"logits": logits, "tokens": tokens.cpu(), "version": self.version, "weights_version": versions[-1]}
+
+    # -- a serving loop: generation that goes on while refits land -----------------------------
+    def start_serving(self, prompt: Sequence[int], new_tokens: int = 8) -> None:
+        """Generate requests of ``new_tokens`` on ``prompt`` back to back, on a thread, until ``stop_serving``.
+
+        Every worker of the shard runs it (its forward is collective). A refused step (torn
+        weights, or none committed yet) waits for the weights to change, not for a fixed time.
+        """
+        if getattr(self, "_serve_thread", None) is not None:
+            raise LayoutError("start_serving: already serving")
+        self._serve_stop = threading.Event()
+        self._serve_log = {"requests": [], "refused": 0, "error": None, "started": time.perf_counter()}
+        self.step_times = []
+        self._serve_thread = threading.Thread(target=self._serve_loop, args=(list(prompt), new_tokens),
+                                              name="engine-serving", daemon=True)
+        self._serve_thread.start()
+
+    def _serve_loop(self, prompt: list[int], new_tokens: int) -> None:
+        ids, log = torch.tensor([prompt]), self._serve_log
+        try:
+            while True:
+                stop = self._serve_stop.is_set()
+                if self.tp > 1:  # the shard's workers stop at the same request, or one waits in a collective
+                    flags = self.comm.all_gather(torch.tensor([1.0 if stop else 0.0], device=self.device))
+                    stop = any(f.item() > 0 for f in flags)
+                if stop:
+                    return
+                try:
+                    tokens, versions = self.generate_versioned(ids, new_tokens)
+                except InconsistentWeights:
+                    log["refused"] += 1
+                    self.refit_wait_version(None, timeout_s=0.5)
+                    continue
+                log["requests"].append({"versions": versions, "tokens": tokens[0].tolist(),
+                                        "end": time.perf_counter()})
+        except Exception as e:  # noqa: BLE001 - reported by stop_serving
+            log["error"] = f"{type(e).__name__}: {e}"
+
+    def serving_requests(self) -> int:
+        """Requests completed by the serving loop so far."""
+        return len(self._serve_log["requests"]) if getattr(self, "_serve_log", None) else 0
+
+    def stop_serving(self, timeout_s: float = 60.0) -> dict:
+        """Stop the serving loop; its ``requests`` (tokens, versions), ``step_times``, ``refused`` steps."""
+        thread = getattr(self, "_serve_thread", None)
+        if thread is None:
+            raise LayoutError("stop_serving: not serving")
+        self._serve_stop.set()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise LayoutError(f"stop_serving: the serving loop did not stop within {timeout_s}s")
+        self._serve_thread = None
+        out = dict(self._serve_log, step_times=list(self.step_times or ()), stopped=time.perf_counter())
+        self.step_times = None
+        return out
 
 
 class _Unconnected:

@@ -80,7 +80,8 @@ def test_weights_arrive_exactly(synced, cls, topology):
         assert res.shards == list(range(topology[1])) and res.absent_shards == []
         assert res.bytes > 0 and res.gbps > 0
         assert [e.kind for e in res.events if e.kind != "round"] == ["check", "transfer", "verify", "commit"]
-        assert [e.detail.split(":")[0] for e in res.events if e.kind == "round"] == ["transfer", "commit"]
+        rounds = [e.detail.split(":")[0] for e in res.events if e.kind == "round"]
+        assert rounds == ["transfer", "prepare commit", "commit"]
         assert wrong_weights(engines, step) == {}
         assert {e.loads for s in engines for e in s} == {step}
 
