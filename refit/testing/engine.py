@@ -460,8 +460,9 @@ class EngineWorker(EngineShard):
         return {"logits": logits, "tokens": tokens.cpu(), "version": self.version, "weights_version": versions[-1]}
 
     # -- a serving loop: generation that goes on while refits land -----------------------------
-    def start_serving(self, prompt: Sequence[int], new_tokens: int = 8) -> None:
-        """Generate requests of ``new_tokens`` on ``prompt`` back to back, on a thread, until ``stop_serving``.
+    def start_serving(self, prompt: Sequence[int], new_tokens: int = 8, *, batch: int = 1) -> None:
+        """Generate ``batch`` requests of ``new_tokens`` on ``prompt`` at a time, back to back, on a thread,
+        until ``stop_serving``.
 
         Every worker of the shard runs it (its forward is collective). A refused step (torn
         weights, or none committed yet) waits for the weights to change, not for a fixed time.
@@ -471,12 +472,12 @@ class EngineWorker(EngineShard):
         self._serve_stop = threading.Event()
         self._serve_log = {"requests": [], "refused": 0, "error": None, "started": time.perf_counter()}
         self.step_times = []
-        self._serve_thread = threading.Thread(target=self._serve_loop, args=(list(prompt), new_tokens),
+        self._serve_thread = threading.Thread(target=self._serve_loop, args=(list(prompt), new_tokens, batch),
                                               name="engine-serving", daemon=True)
         self._serve_thread.start()
 
-    def _serve_loop(self, prompt: list[int], new_tokens: int) -> None:
-        ids, log = torch.tensor([prompt]), self._serve_log
+    def _serve_loop(self, prompt: list[int], new_tokens: int, batch: int) -> None:
+        ids, log = torch.tensor([prompt] * batch), self._serve_log
         try:
             while True:
                 stop = self._serve_stop.is_set()

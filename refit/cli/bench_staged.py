@@ -1,0 +1,244 @@
+"""``refit bench --path staged``: generation throughput and stalls while refits land, staged against blocking.
+
+Reference engines (``refit.testing.engine``, one process per worker) generate in a loop, batch
+after batch of greedy requests, while a ``ReshardWeightSynchronizer`` refits them from a trainer
+every ``--interval`` seconds. Each mode runs on the same processes and the same plan:
+
+* **blocking**: the transfer writes into the live weights, so generation is refused from the
+  first byte until the commit (pause, transfer, resume);
+* **staged swap**: the transfer lands in a second set of weights while generation goes on; the
+  commit swaps the two between two steps;
+* **staged copy**: the transfer lands in staging copies, ``--staging-fraction`` of them on the
+  engine's device and the rest in host memory; the commit copies them in between two steps.
+
+For each mode, one window without refits then one with ``--refits`` refits gives tokens/s with
+and without. Two stalls are reported per refit:
+
+* ``stall_s``: how long the refit itself kept the engine from running a step, measured in the
+  engine: blocking, from the transfer's first byte to the commit; staged, the switch (swap or
+  copy, with the serving lock held);
+* ``gap_excess_*``: the longest step gap overlapping each refit, less the median step without
+  refits: the switch plus what the transfer's share of the cores cost the step running beside
+  it. On a host whose cores the transfer shares with generation this, not the switch, is what
+  a staged refit costs, and it is noisy when other work shares the cores too.
+
+On one host the clocks of the processes agree (``perf_counter`` is the monotonic clock), so the
+engines' step times are cut at the controller's marks. On CPU the host is the device, so the
+copy mode's fraction changes where nothing lands; it matters on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from refit.comm.group import free_port
+from refit.control.synchronizer import ReshardWeightSynchronizer
+from refit.layout import Shard, shard_slices
+from refit.runtime.endpoint import TrainerEndpoint
+from refit.runtime.handles import ProcessWorker
+from refit.testing.engine import EngineConfig, EngineWorker, random_canonical_state
+
+CALL_S = 300.0
+
+
+def bench_config(layers: int, hidden: int, vocab: int) -> dict:
+    """A Llama-shaped HF config: heads of 32, GQA 4:1, MLP 11/4 of hidden."""
+    head_dim = 32
+    heads = max(hidden // head_dim, 4)
+    return {"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": hidden * 11 // 4,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
+            "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6}
+
+
+class CanonicalTrainer(TrainerEndpoint):
+    """The canonical (HF) weights of a step, cut along dim 0 over the trainer ranks."""
+
+    def __init__(self, rank: int, world_size: int, *, config: dict, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.spec = rank, world_size, EngineConfig.from_hf(config).spec
+        self.shapes = {p.name: tuple(p.shape) for p in self.spec.params()}
+        self.params: dict[str, torch.Tensor] = {}
+        self.set_step(0)
+
+    def set_step(self, step: int) -> int:
+        for name, full in random_canonical_state(self.spec, seed=step).items():
+            local = full[shard_slices(full.shape, [self.world_size], [self.rank], [Shard(0)])].contiguous()
+            if name in self.params:
+                self.params[name].copy_(local)
+            else:
+                self.params[name] = local
+        return step
+
+    def refit_sources(self) -> dict[str, Any]:
+        mesh = list(range(self.world_size))
+        return {n: (t, self.shapes[n], mesh, [Shard(0)]) for n, t in self.params.items()}
+
+
+def window(steps: list[float], start: float, end: float, batch: int) -> dict:
+    """Tokens/s and step gaps of the steps that ended within [start, end]."""
+    inside = [t for t in steps if start <= t <= end]
+    gaps = [b - a for a, b in zip(inside, inside[1:])]
+    # the gap from the window's start to its first step, and from its last to the end, count too
+    edges = [inside[0] - start, end - inside[-1]] if inside else [end - start]
+    return {"seconds": end - start, "steps": len(inside), "tokens_per_s": len(inside) * batch / (end - start),
+            "median_step_s": statistics.median(gaps) if gaps else None, "longest_gap_s": max([*gaps, *edges])}
+
+
+def refit_gaps(steps: list[float], marks: list[tuple[float, float]]) -> list[float]:
+    """For each refit (its sync's start and end), the longest step gap that overlaps it."""
+    pairs = list(zip(steps, steps[1:]))
+    return [max([b - a for a, b in pairs if b >= t0 and a <= t1] or [t1 - t0]) for t0, t1 in marks]
+
+
+def run_mode(name: str, trainers, engines, args, prompt: list[int], step0: int) -> dict:
+    workers = [w for shard in engines for w in shard]
+    staged = name != "blocking"
+    fraction = args.staging_fraction if name == "staged copy" else 1.0
+    for w in workers:
+        w.call("refit_configure_staging", staged, device_fraction=fraction, require_version=False).result(CALL_S)
+    sync = ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=args.refit_timeout)
+    step = step0
+    try:
+        for _ in range(2):  # builds the plan and the staging once; both sets of a swap are written
+            step += 1
+            for t in trainers:
+                t.call("set_step", step).result(CALL_S)
+            sync.sync_weights()
+
+        def serve(refits: int) -> tuple[dict, list[dict], list[float]]:
+            for w in workers:
+                w.call("start_serving", prompt, args.new_tokens, batch=args.batch).result(CALL_S)
+            time.sleep(args.interval / 2)  # the loops reach their steady state
+            start = time.perf_counter()
+            results, syncs, marks = [], [], []
+            nonlocal step
+            for _ in range(refits):
+                step += 1
+                for t in trainers:
+                    t.call("set_step", step).result(CALL_S)
+                t0 = time.perf_counter()
+                res = sync.sync_weights()
+                syncs.append(time.perf_counter() - t0)
+                marks.append((t0, time.perf_counter()))
+                results.append(res)
+                time.sleep(max(args.interval - (time.perf_counter() - t0), 0.0))
+            if not refits:
+                time.sleep(args.interval * args.refits)
+            end = time.perf_counter()
+            logs = [w.call("stop_serving").result(CALL_S) for w in workers]
+            windows = [window(log["step_times"], start, end, args.batch) for log in logs]
+            for log in logs:
+                if log["error"]:
+                    raise RuntimeError(f"a serving loop failed: {log['error']}")
+            gaps = refit_gaps(sorted(logs[0]["step_times"]), marks)
+            return {"windows": windows, "gaps": gaps, "versions": sorted({v for log in logs for r in log["requests"]
+                                                            for v in r["versions"] if v is not None}),
+                    "mixed_requests": sum(len(set(r["versions"])) > 1 for log in logs for r in log["requests"])}, \
+                results, syncs
+
+        quiet, _, _ = serve(0)
+        busy, results, syncs = serve(args.refits)
+        switches = [s["seconds"] for w in workers for s in w.call("refit_switches").result(CALL_S)[-args.refits:]]
+    finally:
+        sync.shutdown()
+    # the first shard's first worker stands for the fleet (every shard runs the same loop)
+    q, b = quiet["windows"][0], busy["windows"][0]
+    step_s = q["median_step_s"] or 0.0
+    excess = [g - step_s for g in busy["gaps"]]
+    return {
+        "mode": name, "device_fraction": fraction if staged else None,
+        "tokens_per_s_without_refits": q["tokens_per_s"], "tokens_per_s_with_refits": b["tokens_per_s"],
+        "throughput_ratio": b["tokens_per_s"] / q["tokens_per_s"],
+        "median_step_s": q["median_step_s"], "longest_gap_s": b["longest_gap_s"],
+        "longest_gap_without_refits_s": q["longest_gap_s"],
+        # what the refit itself stops generation for, measured in the engine: blocking, from the
+        # transfer's first byte to the commit; staged, the switch (the serving lock held)
+        "stall_s": statistics.median(switches),
+        "stall_max_s": max(switches),
+        # the longest step gap overlapping each refit, less the median step without refits: the
+        # switch plus what the transfer's share of the cores cost the steps running beside it
+        "gap_excess_median_s": statistics.median(excess), "gap_excess_max_s": max(excess),
+        "sync_median_s": statistics.median(syncs),
+        "transfer_median_s": statistics.median(r.transfer_s for r in results),
+        "refits": len(results), "versions_served": busy["versions"],
+        "requests_across_a_switch": busy["mixed_requests"],
+        "per_worker": [{"tokens_per_s": w["tokens_per_s"], "longest_gap_s": w["longest_gap_s"]}
+                       for w in busy["windows"]],
+    }, step
+
+
+def run_staged_bench(args) -> dict:
+    config = bench_config(args.layers, args.hidden, args.vocab)
+    spec = EngineConfig.from_hf(config).spec
+    t0 = time.perf_counter()
+    trainers = [ProcessWorker(CanonicalTrainer, r, args.src, config=config, name=f"trainer rank {r}",
+                              start_timeout_s=CALL_S) for r in range(args.src)]
+    engines = []
+    for s in range(args.dst_dp):
+        port = free_port() if args.dst_tp > 1 else None
+        engines.append([ProcessWorker(EngineWorker, s, w, args.dst_tp, config=config, tp_port=port,
+                                      name=f"shard {s} worker {w}", start_timeout_s=CALL_S)
+                        for w in range(args.dst_tp)])
+    start_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, args.vocab, (args.prompt_tokens,), generator=g).tolist()
+    modes, step = [], 0
+    try:
+        for name in ("blocking", "staged swap", "staged copy"):
+            result, step = run_mode(name, trainers, engines, args, prompt, step)
+            modes.append(result)
+    finally:
+        for p in [*trainers, *(w for shard in engines for w in shard)]:
+            p.close()
+    blocking = modes[0]
+    for m in modes:
+        m["stall_over_blocking_pause"] = m["stall_s"] / blocking["stall_s"]
+        m["gap_excess_over_blocking"] = m["gap_excess_median_s"] / blocking["gap_excess_median_s"]
+    nbytes = spec.num_params * 4 * args.dst_dp
+    return {"path": "staged", "device": "cpu (gloo)", "layout": f"trainer TP{args.src} -> {args.dst_dp} engine "
+            f"shard(s) of TP{args.dst_tp}", "model": spec.name, "layers": args.layers, "hidden": args.hidden,
+            "vocab": args.vocab, "params": spec.num_params, "bytes_per_refit": nbytes, "batch": args.batch,
+            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "interval_s": args.interval,
+            "refits": args.refits, "fleet_start_s": start_s, "modes": modes,
+            "targets": {m["mode"]: {"stall_at_most_10pct_of_blocking_pause": m["stall_over_blocking_pause"] <= 0.10,
+                                    "gap_excess_at_most_10pct_of_blocking": m["gap_excess_over_blocking"] <= 0.10,
+                                    "throughput_at_least_90pct": m["throughput_ratio"] >= 0.90}
+                        for m in modes[1:]}}
+
+
+def print_table(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"refit bench --path staged: {r['layout']}, {r['device']}, a refit every {r['interval_s']}s")
+    for col in ("mode", "tok/s no refit", "tok/s refits", "ratio", "median step", "stall", "stall / blocking",
+                "gap excess", "gap / blocking", "sync"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for m in r["modes"]:
+        mode = m["mode"] + (f" ({m['device_fraction']:g} on device)" if m["mode"] == "staged copy" else "")
+        table.add_row(mode, f"{m['tokens_per_s_without_refits']:.0f}", f"{m['tokens_per_s_with_refits']:.0f}",
+                      f"{m['throughput_ratio']:.2f}", f"{m['median_step_s'] * 1e3:.1f} ms",
+                      f"{m['stall_s'] * 1e3:.2f} ms", f"{m['stall_over_blocking_pause']:.3f}",
+                      f"{m['gap_excess_median_s'] * 1e3:.1f} ms", f"{m['gap_excess_over_blocking']:.2f}",
+                      f"{m['sync_median_s'] * 1e3:.0f} ms")
+    console = Console()
+    console.print(table)
+    console.print(f"{r['model']}: {r['params'] / 1e6:.1f}M params, {r['bytes_per_refit'] / 1e6:.0f} MB per refit; "
+                  f"batch {r['batch']}, {r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens a request; "
+                  f"{r['refits']} refits a mode")
+
+
+def run(args) -> int:
+    result = run_staged_bench(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return 0
+
