@@ -675,6 +675,12 @@ class EngineEndpoint(_RefitEndpoint):
             return
         total = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
         budget, used, out = st.staging.device_fraction * total, 0, {}
+        if budget < total and any(s.tensor.device.type != "cpu" for s in shards.values()):
+            # one rank's executor moves the tensors of one device: NCCL cannot land bytes in host
+            # memory, so a part staged there would need a host transport of its own
+            raise RefitError(f"{self._refit_label()}: device_fraction {st.staging.device_fraction:g} < 1 stages "
+                             "part of the model in host memory, which a transfer into GPU tensors cannot land in "
+                             "yet; stage on the device (device_fraction=1.0)")
         for name in sorted(shards):
             live = shards[name].tensor
             old = st.staging_buffers.get(name)

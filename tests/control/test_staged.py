@@ -147,7 +147,7 @@ def test_a_death_between_transfer_and_switch_switches_no_one_and_a_readmitted_en
     """Shard 1 dies as it is asked to prepare the commit, after every transfer landed. No worker
     switches in that attempt (shard 0 goes from version 1 straight to 2, one switch each, over
     the recovered membership), and the restarted shard 1 refuses to serve until the next refit
-    brings it to the current version."""
+    brings it to the current version. When it dies during staging, shard 0 alone switches."""
     with cf.ThreadPoolExecutor(4) as pool:
         trainer = pool.submit(_start, ReferenceTrainer, 0, 1, name="trainer rank 0")
         engines = [[pool.submit(_start, StagedEngine, s, 0, 1, config=LLAMA, name=f"shard {s} worker 0")]
@@ -177,10 +177,17 @@ def test_a_death_between_transfer_and_switch_switches_no_one_and_a_readmitted_en
         assert res.shards == [0, 1] and res.version == 3
         out = fresh.call("logits", PROMPT, NEW_TOKENS).result(CALL_S)
         assert out["weights_version"] == 3 and out["tokens"][0].tolist() == reference_tokens([3] * NEW_TOKENS)
+
+        # the restarted shard dies during staging: the survivor alone switches, once
+        fresh.call("die_at_transfer").result(CALL_S)
+        trainer.call("set_step", 4).result(CALL_S)
+        res = sync.sync_weights()
+        assert res.recovered and res.shards == [0] and res.version == 4 and res.inconsistent == [], res
+        assert [s["version"] for s in serving.call("refit_switches").result(CALL_S)] == [1, 2, 3, 4]
         log = serving.call("stop_serving").result(CALL_S)
     finally:
         sync.shutdown()
-    check_served(log, {1, 2, 3})
+    check_served(log, {1, 2, 3, 4})
 
 
 # -- in-process (LocalWorker): copy mode, a bounded device budget, failures before the switch -----

@@ -22,6 +22,13 @@ class StagedEngine(EngineWorker):
     def die_at_prepare(self) -> None:
         self._die_at_prepare = True
 
+    def die_at_transfer(self) -> None:
+        self._die_at_transfer = True
+
+    def on_refit_start(self) -> None:
+        if getattr(self, "_die_at_transfer", False):
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _refit_prepare(self, epoch: int) -> None:
         if self._die_at_prepare:
             os.kill(os.getpid(), signal.SIGKILL)
