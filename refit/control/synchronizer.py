@@ -516,7 +516,8 @@ class _SynchronizerBase:
 
         The engines' weights become ``version`` (``SyncResult.version``): by default one more
         than the newest any engine or this synchronizer has seen, so versions only grow, also
-        across synchronizers over the same engines; a trainer may pass its step instead.
+        across synchronizers over the same engines; a trainer may pass its step instead (a
+        ``version`` below that default is raised to it: an engine's version never goes back).
 
         Raises:
             RefitVerificationError: bytes arrived corrupted (names the shards and params).
