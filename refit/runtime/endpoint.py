@@ -35,7 +35,16 @@ from refit.layout import (
     DTensorRef,
     dtype_name,
 )
-from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout, check_local_shapes
+from refit.plan import (
+    DEFAULT_BUCKET_BYTES,
+    ParamIndex,
+    PlanCache,
+    RosterEntry,
+    RosterGroup,
+    TensorLayout,
+    check_local_shapes,
+    group_roster,
+)
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
@@ -270,7 +279,7 @@ class _RefitEndpoint:
         host = host or "127.0.0.1"
         return host, free_port("" if host != "127.0.0.1" else host)
 
-    def refit_connect(self, spec: ConnectSpec) -> list[RosterEntry]:
+    def refit_connect(self, spec: ConnectSpec) -> list[RosterGroup]:
         """Join the communicator of build ``spec.epoch`` and report what this rank holds or needs.
 
         The old communicator is aborted first. The rank joins before it inspects its own
@@ -302,7 +311,7 @@ class _RefitEndpoint:
                 self._refit_drop_group()
                 raise
 
-    def _refit_roster(self, spec: ConnectSpec, shards: Mapping[str, LocalShard]) -> list[RosterEntry]:
+    def _refit_roster(self, spec: ConnectSpec, shards: Mapping[str, LocalShard]) -> list[RosterGroup]:
         st = self._refit_state()
         entries = []
         for name, shard in sorted(shards.items()):
@@ -323,7 +332,7 @@ class _RefitEndpoint:
             st.layouts[name] = (tuple(shard.tensor.shape), dt)
             entries.append(RosterEntry.make(name, shard.global_shape, dt, mesh, shard.placements, self._refit_role))
         st.shards = dict(shards)
-        return entries
+        return group_roster(entries)  # one entry per layout: the controller reads each distinct group once
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto") -> dict:
