@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 from helpers.layouts import rosters_for
-from helpers.plans import WORLD, scenarios
+from helpers.plans import WORLD, scenarios, with_shared_layouts
 from helpers.reference_merge import reference_merge
 from helpers.tiny_models import MODELS_AND_LAYOUTS
 from hypothesis import given, settings
@@ -37,22 +37,11 @@ def _same_index(a, b):
     assert a.digest == b.digest
 
 
-def _shared_layouts(params):
-    """``params`` plus copies sharing each one's layouts (the layers of a stage), so that
-    groups hold several names and some params share only part of their groups."""
-    out = list(params)
-    for name, shape, src, dsts in params:
-        out.append((name + ".again", shape, src, dsts))
-        if len(dsts) > 1:
-            out.append((name + ".fewer", shape, src, dsts[:1]))
-    return out
-
-
 @settings(max_examples=80, deadline=None)
 @given(scenarios(), st.booleans())
 def test_grouped_merge_equals_the_per_entry_merge_op_for_op(params, shared):
     if shared:
-        params = _shared_layouts(params)
+        params = with_shared_layouts(params)
     rosters = rosters_for(params, WORLD)
     want = reference_merge(rosters, WORLD)
     for got in (merge_rosters(rosters, WORLD), merge_rosters(_as_gathered(rosters), WORLD)):
