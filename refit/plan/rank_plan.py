@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit.errors import PlanError
-from refit.plan.buckets import DEFAULT_BUCKET_BYTES, Bucket, Op, pack_buckets
+from refit.plan.buckets import DEFAULT_BUCKET_BYTES, Bucket, Op, itemsize, pack_buckets
 from refit.plan.forms import planner_cache
 from refit.plan.roster import ParamIndex
 from refit.plan.templates import PlannedBlock, PlanStats, StripeRef, rotation, serving_replica, window
@@ -289,9 +289,12 @@ class _Emitter:
             prefix = self.prefixes[d] = f"{self.name}|{d}".encode()
         dd = self.dsts[g].dtype
         sd, wire = (dd, dd) if gather else (self.src_dtype, self.wire[g])
+        item = itemsize(wire)
         name = self.name
         for b in blocks:
-            out.append(Op(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct))
+            op = Op(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct)
+            op.__dict__["nbytes"] = b.numel * item  # Op.nbytes, cached as its cached_property would
+            out.append(op)
 
 
 def fanout_key(fanout: bool, stripe_bytes, domains) -> tuple | None:

@@ -48,14 +48,16 @@ class PlanStats:
 
 
 class PlannedBlock:
-    """A planned block in rank-relative form: its box, its task-id suffix, whether it can skip staging."""
+    """A planned block in rank-relative form: its box, its task-id suffix, whether it can skip
+    staging, and its element count (every op instantiated from it needs its bytes)."""
 
-    __slots__ = ("box", "key", "direct")
+    __slots__ = ("box", "key", "direct", "numel")
 
     def __init__(self, box: Box, direct: bool):
         self.box = box
         self.key = f"|{tuple(box.start)}|{tuple(box.shape)}".encode()
         self.direct = direct
+        self.numel = math.prod(box.shape)
 
 
 _REPLICATION: dict[tuple, int] = {}

@@ -214,8 +214,8 @@ def _all_traffic(index, topo, **kw):
     return [traffic_of(build_rank_plan(index, r, **kw), topo) for r in range(index.world_size)]
 
 
-def _topology(train_world, world):
-    return Topology(8, 450.0, 50.0, 20.0, tuple(node_map(train_world, train_world, world, 8)))
+def _topology(train_world, world, message_us=15.0):
+    return Topology(8, 450.0, 50.0, 20.0, tuple(node_map(train_world, train_world, world, 8)), message_us=message_us)
 
 
 @pytest.mark.parametrize("model, train, tw, engine, ew", [
@@ -243,9 +243,15 @@ def test_simulated_time_near_the_bound_and_balanced(model, train, tw, engine, ew
 def test_fanout_inside_nodes_near_its_bound():
     model = dataclasses.replace(MODELS["kimi-k2"], num_layers=9)
     index = build_index(model, parse_train("tp=8,pp=8,ep=32,etp=1", world=256), parse_engine("tp=8,ep=128", world=128))
-    topo = _topology(256, index.world_size)
-    plain = simulate(_all_traffic(index, topo), topo)
-    fan = simulate(_all_traffic(index, topo, fanout=True, fanout_domains=topo.nodes), topo)
+    # the bound is bandwidth alone: hold the bandwidth time to it, then price the messages
+    topo = _topology(256, index.world_size, message_us=0.0)
+    plain_traffic = _all_traffic(index, topo)
+    fan_traffic = _all_traffic(index, topo, fanout=True, fanout_domains=topo.nodes)
+    plain, fan = simulate(plain_traffic, topo), simulate(fan_traffic, topo)
     bound = lower_bound(index, topo, relay=True)
     assert bound.seconds <= fan.seconds <= 1.10 * bound.seconds
     assert fan.seconds < plain.seconds
+    # fan-out's many small stripes cost their messages: hundreds more per rank than the plain plan
+    priced = dataclasses.replace(topo, message_us=15.0)
+    assert simulate(fan_traffic, priced).seconds > fan.seconds + 500 * 15e-6
+    assert max(t.buckets[0] + t.buckets[1] for t in fan_traffic) > 5 * max(t.buckets[0] for t in plain_traffic)
