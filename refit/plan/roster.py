@@ -388,7 +388,7 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], wo
     made: dict[tuple, TensorLayout] = {}
     valid: set[tuple] = set()
     sets: dict[tuple[str, str], _NameSet] = {}
-    distinct_shapes: dict[int, set] = {}
+    distinct_shapes: dict[int, dict] = {}
     for rank in sorted(rosters):
         if not 0 <= rank < world_size:
             raise PlanError(f"roster from rank {rank}, outside the process group of world size {world_size}")

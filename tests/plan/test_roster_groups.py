@@ -3,6 +3,7 @@ once, and the index, its digest and every plan are what the per-entry merge gave
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import numpy as np
@@ -116,3 +117,8 @@ def test_identical_groups_are_read_once():
     assert len(index.specs.groups) == 1  # one (source, destinations) set for all 50 names
     assert [lay.mesh_ranks for lay in index.specs["layers.7.w"].dsts] == [(8,), (9,), (10,), (11,)]
     assert index.by_rank[0] is index.by_rank[7]  # ranks with the same params share one list
+    # the controller ships the index to every rank: the specs travel as groups and are made on demand
+    _ = index.specs["layers.3.w"]
+    back = pickle.loads(pickle.dumps(index))
+    assert back.specs._made == {} and dict(back.specs) == dict(index.specs)
+    assert back.by_rank == index.by_rank and back.digest == index.digest
