@@ -207,11 +207,15 @@ def sample_ranks(train_world: int, world: int) -> list[int]:
 
 
 def _pair_digest(buckets) -> dict[int, tuple[int, int, int]]:
+    """Per peer: ops, a digest of their task ids, bytes (what both ends of a pair must agree on)."""
     out: dict[int, list[int]] = {}
     for b in buckets:
-        d = out.setdefault(b.peer, [0, 0, 0])
-        d[0] += len(b.ops)
-        d[1] ^= sum(op.task_id for op in b.ops) & ((1 << 64) - 1)
+        d = out.get(b.peer)
+        if d is None:
+            d = out[b.peer] = [0, 0, 0]
+        ops = b.ops
+        d[0] += len(ops)
+        d[1] ^= (ops[0].task_id if len(ops) == 1 else sum(op.task_id for op in ops)) & ((1 << 64) - 1)
         d[2] += b.nbytes
     return {p: tuple(v) for p, v in out.items()}
 
@@ -237,12 +241,18 @@ def _plan_ranks(index, ranks, topo, check: bool, receivers, kw) -> tuple:
         plan = build_rank_plan(index, r, **kw)
         traffic[r] = traffic_of(plan, topo)
         if receivers:
+            by_peer: dict[int, list] = {}
             for b in plan.sends:
                 if b.peer in receivers:
-                    got = receipts.get(b.peer)
+                    got = by_peer.get(b.peer)
                     if got is None:
-                        got = receipts[b.peer] = Receipts(b.peer, topo)
-                    got.add(r, b, topo)
+                        got = by_peer[b.peer] = []
+                    got.append(b)
+            for peer, buckets in by_peer.items():
+                got = receipts.get(peer)
+                if got is None:
+                    got = receipts[peer] = Receipts(peer, topo)
+                got.add(r, buckets, topo)
         if check:
             for phase, (s, rv) in enumerate(((plan.sends, plan.recvs), (plan.gather_sends, plan.gather_recvs))):
                 for peer, d in _pair_digest(s).items():

@@ -172,28 +172,34 @@ def _direct(b) -> bool:
 
 
 def traffic_of(plan: RankPlan, topo: Topology) -> RankTraffic:
-    """Bytes per port and phase of one rank's plan on ``topo``."""
+    """Bytes per port and phase of one rank's plan on ``topo`` (one pass over its buckets)."""
     t = RankTraffic(plan.rank)
-    me = topo.node(plan.rank)
+    node = topo.node
+    me = node(plan.rank)
+    peers: set[int] = set()
     for phase, (sends, recvs) in enumerate(((plan.sends, plan.recvs), (plan.gather_sends, plan.gather_recvs))):
         ports = t.ports[phase]
-        for b in sends:
-            ports["nvl_out" if topo.node(b.peer) == me else "nic_out"] += b.nbytes
-        for b in recvs:
-            ports["nvl_in" if topo.node(b.peer) == me else "nic_in"] += b.nbytes
-        staged = {b.index for b in (*sends, *recvs) if not _direct(b)}
-        direct = any(_direct(b) for b in (*sends, *recvs))
+        staged: set[int] = set()
+        direct = False
+        for buckets, near, far in ((sends, "nvl_out", "nic_out"), (recvs, "nvl_in", "nic_in")):
+            for b in buckets:
+                ports[near if node(b.peer) == me else far] += b.nbytes
+                if len(b.ops) == 1 and b.ops[0].direct:
+                    direct = True
+                else:
+                    staged.add(b.index)
+                peers.add(b.peer)
         t.rounds[phase] = len(staged) + (1 if direct else 0)
         t.buckets[phase] = len(sends) + len(recvs)
     t.local_bytes = plan.local_bytes
-    t.peers = len({b.peer for b in (*plan.sends, *plan.recvs, *plan.gather_sends, *plan.gather_recvs)})
+    t.peers = len(peers)
     return t
 
 
 class Receipts:
     """The traffic of a rank that only receives, in a plan without fan-out, gathered from its
     senders' buckets to it (both ends cut the same buckets), so its own plan need not be built:
-    ``add`` each sender's buckets, then ``traffic`` gives what ``traffic_of`` would give."""
+    ``add`` each sender's buckets to it, then ``traffic`` gives what ``traffic_of`` would give."""
 
     __slots__ = ("rank", "node", "nic_in", "nvl_in", "staged", "direct", "buckets", "peers")
 
@@ -204,17 +210,20 @@ class Receipts:
         self.direct = False
         self.peers: set[int] = set()
 
-    def add(self, sender: int, bucket, topo: Topology) -> None:
+    def add(self, sender: int, buckets, topo: Topology) -> None:
+        """``sender``'s buckets to this rank."""
+        nbytes = sum(b.nbytes for b in buckets)
         if topo.node(sender) == self.node:
-            self.nvl_in += bucket.nbytes
+            self.nvl_in += nbytes
         else:
-            self.nic_in += bucket.nbytes
-        if _direct(bucket):
-            self.direct = True
-        else:
-            self.staged.add(bucket.index)
+            self.nic_in += nbytes
+        for b in buckets:
+            if len(b.ops) == 1 and b.ops[0].direct:
+                self.direct = True
+            else:
+                self.staged.add(b.index)
         self.peers.add(sender)
-        self.buckets += 1
+        self.buckets += len(buckets)
 
     def merge(self, other: Receipts) -> None:
         """Add what another process gathered for this rank."""

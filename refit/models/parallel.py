@@ -345,15 +345,23 @@ def build_roster_groups(model: ModelSpec, train: TrainParallel, engine: EnginePa
     sends is the same either way, and the merge reads each distinct group's names once).
     """
     b = LayoutBuilder(model, train, engine, **kwargs)
-    per_layout: dict[tuple[TensorLayout, str], tuple[list[str], list[tuple[int, ...]]]] = {}
+    pairs: dict[tuple[int, int], tuple] = {}  # params sharing their layout objects, then each layout's params
     for p in model.params():
-        for role, lays in (("src", (b.src(p),)), ("dst", b.dsts(p))):
+        src, dsts = b.src(p), b.dsts(p)
+        got = pairs.get((id(src), id(dsts)))
+        if got is None:
+            got = pairs[(id(src), id(dsts))] = (src, dsts, [], [])
+        got[2].append(p.name)
+        got[3].append(p.shape)
+    per_layout: dict[tuple[TensorLayout, str], tuple[list[str], list[tuple[int, ...]]]] = {}
+    for src, dsts, names, shapes in pairs.values():
+        for role, lays in (("src", (src,)), ("dst", dsts)):
             for lay in lays:
                 got = per_layout.get((lay, role))
                 if got is None:
                     got = per_layout[(lay, role)] = ([], [])
-                got[0].append(p.name)
-                got[1].append(p.shape)
+                got[0].extend(names)
+                got[1].extend(shapes)
     protos: dict[tuple, RosterGroup] = {}  # one sorted name tuple and digest per distinct name list
     rosters: dict[int, list[RosterGroup]] = {r: [] for r in range(b.world)}
     for (lay, role), (names, shapes) in per_layout.items():

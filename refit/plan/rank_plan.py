@@ -291,10 +291,9 @@ class _Emitter:
         sd, wire = (dd, dd) if gather else (self.src_dtype, self.wire[g])
         item = itemsize(wire)
         name = self.name
+        planned = Op.planned
         for b in blocks:
-            op = Op(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct)
-            op.__dict__["nbytes"] = b.numel * item  # Op.nbytes, cached as its cached_property would
-            out.append(op)
+            out.append(planned(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct, b.numel * item))
 
 
 def fanout_key(fanout: bool, stripe_bytes, domains) -> tuple | None:

@@ -207,6 +207,10 @@ class SpecTable(Mapping):
     def __len__(self) -> int:
         return len(self._group)
 
+    def forget(self) -> None:
+        """Drop the specs made so far (to time a cold build, which makes them)."""
+        self._made.clear()
+
     def __getstate__(self) -> dict:  # the specs made so far are this process's working memory
         return {"groups": self.groups}
 
