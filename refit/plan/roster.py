@@ -338,10 +338,12 @@ def index_digest(world_size: int, groups: Iterable[tuple]) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(str(world_size).encode())
     for key, (names, shapes) in sorted(by_value.items(), key=lambda kv: min(kv[1][0])):
-        order = sorted(range(len(names)), key=names.__getitem__)
+        if sorted(names) != names:  # a merge's groups come sorted: checking is one C-level pass
+            order = sorted(range(len(names)), key=names.__getitem__)
+            names, shapes = [names[i] for i in order], [shapes[i] for i in order]
         h.update(key.encode())
-        h.update("\0".join([names[i] for i in order]).encode())
-        h.update(msgpack.packb([shapes[i] for i in order]))
+        h.update("\0".join(names).encode())
+        h.update(msgpack.packb(shapes))
     return h.hexdigest()
 
 
