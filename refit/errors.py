@@ -33,3 +33,12 @@ class RefitAborted(RefitError, RuntimeError):
     run, some transfers may have been cut short, and the communicator is unusable
     until it is rebuilt. Transports raise it too, for a peer that is gone.
     """
+
+
+class InconsistentWeights(RefitError, RuntimeError):
+    """An engine was asked to serve while its weights are torn.
+
+    A refit wrote part of its bytes into the live weights (or a load of them failed part
+    way) and did not complete: some params are new, some old, some half of each. Serving
+    them would look like a model and be none; the engine refuses until a refit completes.
+    """

@@ -100,13 +100,15 @@ def pickle_vllm_unique_id(unique_id_bytes: bytes) -> bytes:
                 sys.modules.pop(n, None)
 
 
-def _wait_work(work: Any, aborted: threading.Event, deadline: float | None, what: str) -> None:
+def _wait_work(work: Any, aborted: threading.Event, deadline: float | None, what: str,
+               timeout_s: float | None = None) -> None:
     """Wait for ``work``, giving up at ``deadline`` (a ``time.monotonic()`` value).
 
     Gloo's works only learn they completed inside ``wait()`` (``is_completed`` stays
     False until then, measured), and its ``abort()`` does not release a waiter, so the
     deadline is passed into the wait itself: a timed-out gloo wait closes the pair,
-    which is exactly the release an abort should give.
+    which is exactly the release an abort should give. Without a deadline a gloo wait
+    gets ``timeout_s``: the group's own timeout, not the shorter one its connect ran under.
     """
     if aborted.is_set():
         raise GroupAborted(f"{what}: the communicator was aborted")
@@ -114,7 +116,7 @@ def _wait_work(work: Any, aborted: threading.Event, deadline: float | None, what
         work.wait(deadline=deadline, aborted=aborted)
         return
     if deadline is None:
-        work.wait()
+        work.wait() if timeout_s is None else work.wait(timedelta(seconds=timeout_s))
         return
     left = deadline - time.monotonic()
     try:
@@ -224,12 +226,45 @@ class StatelessProcessGroup:
         self.store = SealedStore(tcp, secret) if secret is not None else OpenStore(tcp)
         self.authenticated = secret is not None
         if self.backend == "gloo":
-            self._pg = self._gloo_group(f"{self.name}/gloo", self.rank, self.world_size)
+            self._connect_gloo(time.monotonic() + self.init_timeout_s)
 
-    def _gloo_group(self, prefix: str, rank: int, world_size: int):
+    def _connect_gloo(self, deadline: float) -> None:
+        """Build the gloo group, giving up at ``deadline`` even if a peer dies half-way through.
+
+        Gloo waits five times its timeout for a peer to connect in (measured: a peer killed
+        during connectFullMesh held the others 30s under a 6s timeout). So every rank first
+        announces itself on the store and waits, abortable and naming the missing ranks,
+        until all have; only then is gloo built, with a fifth of what is left, which bounds
+        its full-mesh connect by the deadline. Operations get the group's own timeout back.
+        """
+        limit = self.init_timeout_s
+        arrived = [f"{self.name}/arrived/{r}" for r in range(self.world_size)]
+        self.store.set(arrived[self.rank], b"1")
+        while True:
+            try:
+                if self.store.check(arrived):
+                    break
+                problem = None
+            except Exception as e:  # noqa: BLE001 - rank 0, the store's host, is gone: wait for the deadline
+                problem = e
+            if self._aborted.is_set() or time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(arrived) if not self._has_key(k)]
+                why = (f"the store at {self.master_address}:{self.port} failed: {problem}" if problem is not None
+                       else f"rank(s) {missing} never arrived within {limit:g}s")
+                if self._aborted.is_set():
+                    raise GroupAborted(f"rank {self.rank}: aborted while connecting: {why}")
+                raise TransportError(f"StatelessProcessGroup rank {self.rank}/{self.world_size}: {why}")
+            time.sleep(0.01)
+        left = max(deadline - time.monotonic(), 0.5)
+        self.store.set_timeout(timedelta(seconds=left))
+        self._pg = self._gloo_group(f"{self.name}/gloo", self.rank, self.world_size, timeout_s=left / 5)
+        self._pg._set_default_timeout(timedelta(seconds=self.timeout_s))
+        self.store.set_timeout(timedelta(seconds=self.timeout_s))
+
+    def _gloo_group(self, prefix: str, rank: int, world_size: int, *, timeout_s: float | None = None):
         """A gloo group whose pairs listen on the interface that routes to the master only."""
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timedelta(seconds=self.timeout_s)
+        opts._timeout = timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(self.master_address))]
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, world_size, opts)
 
@@ -489,7 +524,7 @@ class StatelessProcessGroup:
             child.set_deadline(deadline)
 
     def wait(self, work: Any) -> None:
-        _wait_work(work, self._aborted, self._deadline, f"rank {self.rank}")
+        _wait_work(work, self._aborted, self._deadline, f"rank {self.rank}", self.timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
         """Broadcast ``tensor`` from ``src``. Over gloo this blocks until done; over NCCL it is

@@ -18,15 +18,18 @@ class RefitWorkerError(RefitError):
         failures: worker label -> what it raised.
         timed_out: labels of workers that did not answer within the controller's bound.
         died: labels of workers whose process was gone.
+        inconsistent: labels of engine workers whose live weights the failed refit left torn
+            (they refuse to serve until a refit completes); filled in by ``sync_weights``.
     """
 
     def __init__(self, message: str, *, phase: str = "", failures: dict[str, str] | None = None,
-                 timed_out: Sequence[str] = (), died: Sequence[str] = ()):
+                 timed_out: Sequence[str] = (), died: Sequence[str] = (), inconsistent: Sequence[str] = ()):
         super().__init__(message)
         self.phase = phase
         self.failures = dict(failures or {})
         self.timed_out = list(timed_out)
         self.died = list(died)
+        self.inconsistent = list(inconsistent)
 
 
 class NoAbsentShard(RefitWorkerError):
@@ -44,10 +47,13 @@ class RefitVerificationError(RefitError):
     Attributes:
         mismatches: ``(src_rank, dst_rank, bucket, params, where)`` for every bad bucket.
         shards: the generation shards that received bad bytes.
+        inconsistent: labels of engine workers whose live weights the refit left torn (bytes
+            land in place before they are checked); filled in by ``sync_weights``.
     """
 
-    def __init__(self, message: str, mismatches: list[tuple], shards: list[int]):
+    def __init__(self, message: str, mismatches: list[tuple], shards: list[int], inconsistent: Sequence[str] = ()):
         super().__init__(message)
         self.mismatches = mismatches
         self.shards = shards
+        self.inconsistent = list(inconsistent)
 

@@ -32,6 +32,8 @@ class SyncResult:
     ``bytes`` counts what crossed the communicator (received bytes over all ranks);
     ``gbps`` is that over the transfer time. ``recovery_s`` runs from the first failure the
     controller saw to the verified end of the retry; None when nothing failed.
+    ``inconsistent`` names the engine workers a recovered sync left with torn weights (a shard
+    left out after its transfer started); they refuse to serve until a refit completes.
     """
 
     step: int
@@ -47,6 +49,7 @@ class SyncResult:
     recovered: bool = False
     recovery_s: float | None = None
     failure: str | None = None
+    inconsistent: list[str] = field(default_factory=list)  # after a recovery: engine workers left torn
     events: list[SyncEvent] = field(default_factory=list)
 
 

@@ -70,6 +70,17 @@ def as_worker(handle: Any, name: str) -> Any:
                      f"got {type(handle).__name__}")
 
 
+def _died(p: Any) -> bool:
+    """Whether a finished call ended because its worker's process is gone."""
+    try:
+        p.result(0)
+    except WorkerDied:
+        return True
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__ in ("ActorDiedError", "RayActorError")
+    return False
+
+
 # -- the control plane ---------------------------------------------------------------------------
 
 class _SynchronizerBase:
@@ -148,6 +159,7 @@ class _SynchronizerBase:
         self.shard_sizes = [len(s) for s in self._engines]
         self.workers_per_shard = max(self.shard_sizes)  # the largest shard's, when sizes differ
         self._built: RefitMembership | None = None
+        self._attempted: RefitMembership | None = None  # the membership of the last build started
         self._members: list[_Member] = []
         self._initialized = False
         self._broken = False
@@ -161,6 +173,8 @@ class _SynchronizerBase:
         # shards whose engine could not take verified weights (their commit failed): left out of
         # every refit until replace_shard hands in a fresh one, though their workers are alive
         self._quarantined: set[int] = set()
+        # engine workers sent a transfer that was not committed since: torn unless they say otherwise
+        self._suspects: dict[int, Any] = {}  # id(handle) -> handle
 
     @classmethod
     def from_fleet(cls, fleet: Any, **kwargs: Any):
@@ -226,15 +240,19 @@ class _SynchronizerBase:
         """Shards left out because their engine failed to take verified weights; ``replace_shard`` ends it."""
         return sorted(self._quarantined)
 
-    def _probe(self) -> tuple[list[_Member], list[_Member]]:
-        """Ping every worker: (the dead, the alive that did not answer in time).
+    def _probe(self, shards: Sequence[int] | None = None) -> tuple[list[_Member], list[_Member]]:
+        """Ping the trainers and the workers of ``shards`` (default: all): (the dead, the alive that did not answer).
 
         Dead means the handle says so, or the ping failed because the process is gone.
         A ping that times out is not death: a stopped process keeps its actor alive.
+        Recovery probes only the shards of the round that failed: a shard already left out
+        (dead before, or quarantined) is no news, and counting it as newly absent rebuilt
+        the very membership that had just failed.
         """
         workers = [_Member(r, w, f"trainer rank {r}") for r, w in enumerate(self._trainers)]
         workers += [_Member(-1, w, f"shard {s} worker {i}", s)
-                    for s, ws in enumerate(self._engines) for i, w in enumerate(ws)]
+                    for s, ws in enumerate(self._engines) for i, w in enumerate(ws)
+                    if shards is None or s in shards]
         dead = [m for m in workers if m.worker.is_dead()]
         pings = {m: m.worker.call("refit_ping") for m in workers if m not in dead}
         settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
@@ -313,7 +331,13 @@ class _SynchronizerBase:
                 budget = stragglers_s + self.grace_s
             budget = min(budget, max(self.grace_s, dispatched + budget - time.monotonic()))
             settle_before_propagating(list(pending.values()), budget, phase)
-            timed_out = [m.label for m, p in pending.items() if not p.done()]
+            # a member whose process is gone is dead, not late: name it as such, so the
+            # error blames the worker that died rather than every one still waiting for it
+            for m, p in pending.items():
+                if m.label not in failures and (m.worker.is_dead() or (p.done() and _died(p))):
+                    died.append(m.label)
+                    failures[m.label] = f"WorkerDied: {m.label} died"
+            timed_out = [m.label for m, p in pending.items() if not p.done() and m.label not in failures]
             self._abandoned += [p for p in pending.values() if not p.done()]
         first = next(iter(failures.items()), None)
         if first is not None:
@@ -351,6 +375,7 @@ class _SynchronizerBase:
         run exercises the rebuild path.
         """
         self._broken = True  # until this build completes
+        self._attempted = membership
         self._epoch += 1
         epoch = self._epoch
         members = self._members_of(membership)
@@ -497,9 +522,15 @@ class _SynchronizerBase:
         self._steps += 1
         rec = self._rec = Recorder(self._steps, self.on_phase)
         try:
-            return self._sync(rec)
+            result = self._sync(rec)
+        except RefitError as e:
+            self._name_inconsistent(e)
+            raise
         finally:
             self._rec = None
+        if result.recovered:  # a shard left out after its transfer started may hold torn weights
+            result.inconsistent = self.inconsistent_workers()
+        return result
 
     def _sync(self, rec: Recorder) -> SyncResult:
         try:
@@ -546,6 +577,8 @@ class _SynchronizerBase:
                 self._build(desired)
             rec.result.rebuilt = True
         members = self._members
+        engines = [m for m in members if m.shard is not None]
+        self._suspects.update({id(m.worker): m.worker for m in engines})  # before a byte can land
         with rec.phase("transfer"):
             t0 = time.monotonic()
             try:
@@ -567,13 +600,45 @@ class _SynchronizerBase:
             with rec.phase("verify"):
                 self._verify(reports)
             res.verified = True
-        engines = [m for m in members if m.shard is not None]
         with rec.phase("commit"):
             self._round("commit", self._call_all(engines, "refit_commit", self._epoch), self._round_timeout_s())
+        for m in engines:
+            self._suspects.pop(id(m.worker), None)
 
     def _recover(self, failure: RefitWorkerError, rec: Recorder) -> None:
-        """The failed round is already settled: find the dead, exclude their shards, rebuild."""
-        dead, silent = self._probe()
+        """The failed round is already settled: find the dead, exclude their shards, rebuild.
+
+        A death during the rebuild itself (a worker killed in the rendezvous) is handled as
+        one during a transfer: its shard is excluded too and the build retried over the
+        rest. Before, the rebuild's failure escaped recovery, blaming every worker that had
+        waited for the dead one. Every retry excludes at least one more shard (else
+        ``NoAbsentShard``), so there are at most as many as there are shards.
+        """
+        for _ in range(self.dp_size + 1):
+            absent = self._absent_after(failure, rec)
+            rec.note("absent", f"shards {absent}")
+            try:
+                rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
+                return
+            except RefitWorkerError as again:
+                if isinstance(again, NoAbsentShard) or again.phase == "check":
+                    raise
+                rec.note("failure", f"rebuild over shards {self._attempted.surviving_shards}: {again}")
+                failure = again
+        raise RefitWorkerError(f"gave up recovering after {self.dp_size + 1} rebuilds: {failure}",
+                               phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out,
+                               died=failure.died) from failure
+
+    def _absent_after(self, failure: RefitWorkerError, rec: Recorder) -> list[int]:
+        """The shards to leave out after ``failure``: those already out, and those of its round now dead.
+
+        Only a shard of the failed round that is now dead (or could not take its weights)
+        counts as news. With none, nothing can be excluded, and a rebuild over the same
+        members would fail as this round did: ``NoAbsentShard``, naming the silent workers.
+        """
+        attempted = self._attempted
+        in_round = set(range(self.dp_size)) if attempted is None else set(attempted.shard_prefixes)
+        dead, silent = self._probe(sorted(in_round))
         rec.note("probe", f"dead={[m.label for m in dead]} unresponsive={[m.label for m in silent]}")
         dead_trainers = [m.label for m in dead if m.shard is None]
         if dead_trainers:
@@ -581,19 +646,18 @@ class _SynchronizerBase:
                 f"{', '.join(dead_trainers)} died during the refit ({failure}); trainers are never excluded "
                 "from the refit communicator, so the fleet cannot recover here", phase=failure.phase,
                 failures=failure.failures, died=[m.label for m in dead]) from failure
-        absent = {m.shard for m in dead}
+        newly = {m.shard for m in dead}
         if failure.phase == "commit":
             # The bytes arrived and were verified, but the engine could not take them (its load
             # failed): its workers answer, yet it cannot be trusted with this or any later refit
             # until it is replaced. Leave it out, so the others get their weights.
             shard_of = {m.label: m.shard for m in self._members if m.shard is not None}
-            failed = {shard_of[label] for label in failure.failures if label in shard_of}
+            failed = {shard_of[label] for label in failure.failures if label in shard_of} & in_round
             if failed:
                 self._quarantined |= failed
                 rec.note("quarantine", f"shards {sorted(failed)}: commit failed; left out until replace_shard")
-            absent |= failed
-        absent = sorted(absent)
-        if not absent:
+            newly |= failed
+        if not newly:
             names = ", ".join(m.label for m in silent)
             hint = (f" {names} did not answer a liveness ping within {self.ping_timeout_s:g}s: frozen or wedged, "
                     "but alive, so it cannot be excluded." if silent else
@@ -602,8 +666,61 @@ class _SynchronizerBase:
                 f"refit {failure.phase} failed ({failure}) and no generation shard could be identified as "
                 f"absent.{hint} Nothing was rebuilt; fix or restart that worker (then replace_shard) and sync again.",
                 phase=failure.phase, failures=failure.failures, timed_out=[m.label for m in silent]) from failure
-        rec.note("absent", f"shards {absent}")
-        rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
+        return sorted((set(range(self.dp_size)) - in_round) | newly | set(self._dead_shards_now()))
+
+    def inconsistent_workers(self, timeout_s: float | None = None, *, silent: Sequence[str] = ()) -> list[str]:
+        """Engine workers whose live weights are torn: a refit wrote into them and did not complete.
+
+        Every live engine worker is asked (``refit_weights_state``): its own record is the one
+        that holds when a controller or a peer died mid-transfer. A worker that does not answer
+        within ``timeout_s`` (the ping timeout by default), frozen say, is counted when this
+        controller sent it a transfer that was never committed. The dead are left out: they
+        serve nothing. Such workers refuse to serve until a refit completes. Workers named in
+        ``silent`` (already found unresponsive) are judged the same way without being asked, so
+        a frozen worker does not cost a failing refit another timeout.
+        """
+        timeout = self.ping_timeout_s if timeout_s is None else timeout_s
+        # every worker of a shard is asked at once: an engine may reach its workers only together
+        asked = {}
+        for s, ws in enumerate(self._engines):
+            for i, w in enumerate(ws):
+                label = f"shard {s} worker {i}"
+                if w.is_dead():
+                    continue
+                if label not in silent:
+                    with contextlib.suppress(Exception):  # judged below by what it was sent
+                        asked[label] = (w, w.call("refit_weights_state"))
+                asked.setdefault(label, (w, None))
+        settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
+        torn = []
+        for label, (w, p) in asked.items():
+            if w.is_dead():
+                continue
+            try:
+                if p is None:
+                    raise RefitError("not asked")
+                if not p.done():
+                    self._abandoned.append(p)
+                    raise TimeoutError
+                consistent = p.result(0).get("consistent", True)
+            except Exception:  # noqa: BLE001 - silent, or an endpoint that cannot say: judged by what it was sent
+                consistent = id(w) not in self._suspects
+            if consistent:
+                self._suspects.pop(id(w), None)
+            else:
+                torn.append(label)
+        return torn
+
+    def _name_inconsistent(self, error: RefitError) -> None:
+        """Name in a failed refit's error every engine worker it left torn, not only the one that failed."""
+        try:
+            torn = self.inconsistent_workers(silent=getattr(error, "timed_out", None) or ())
+        except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
+            return
+        error.inconsistent = torn
+        if torn and error.args:
+            error.args = (f"{error.args[0]}; engine weights now inconsistent on: {', '.join(torn)} "
+                          "(they refuse to serve until a refit completes)", *error.args[1:])
 
     def _verify(self, reports: dict[_Member, dict]) -> None:
         labels = {m.rank: (m.label, m.shard) for m in self._members}

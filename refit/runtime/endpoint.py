@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from refit.comm.group import StatelessProcessGroup, free_port
-from refit.errors import LayoutError, PlanError, RefitError, TransportError
+from refit.errors import InconsistentWeights, LayoutError, PlanError, RefitError, TransportError
 from refit.layout import (
     DTensorRef,
     dtype_name,
@@ -157,6 +157,12 @@ class _State:
     plans: PlanCache = field(default_factory=lambda: PlanCache(max_entries=4))
     fault: _OneShotCorruption | None = None
     loaded_epoch: int = -1
+    # whether the live weights are whole (engines): cleared before the first byte of a transfer
+    # can land in them, set again only when a verified transfer is committed and loaded
+    consistent: bool = True
+    inconsistent_reason: str | None = None
+    committed_epoch: int = -1  # the build whose transfer was last committed and loaded
+    commits: int = 0  # refits committed and loaded by this endpoint
     nixl: Any = None  # refit.transport.nixl.NixlTransport, when the synchronizer runs transport="nixl"
 
 
@@ -285,14 +291,19 @@ class _RefitEndpoint:
         The old communicator is aborted first. The rank joins before it inspects its own
         tensors, so that a bad tensor fails this call quickly instead of leaving the other
         ranks waiting in the rendezvous for a rank that never comes.
+
+        The whole call is bounded by ``spec.timeout_s``: a peer that dies during the
+        rendezvous held the others in gloo's connect five times that long, and a worker
+        answers one call at a time, so the controller's recovery queued behind them.
         """
         st = self._refit_state()
         with st.lock:
+            deadline = time.monotonic() + spec.timeout_s
             self._refit_drop_group()
             st.spec, st.epoch, st.layouts, st.shards = spec, spec.epoch, {}, {}
             try:
                 if spec.rank != 0:
-                    _wait_for_listener(spec.address, spec.port, time.monotonic() + spec.timeout_s)
+                    _wait_for_listener(spec.address, spec.port, deadline)
                 # the actor's tensors are read once per build: the roster, the device and the
                 # executor's binding all come from this one call
                 shards = {n: as_local_shard(n, v) for n, v in self._refit_tensors().items()}
@@ -300,7 +311,7 @@ class _RefitEndpoint:
                 st.group = StatelessProcessGroup(
                     spec.address, spec.port, spec.rank, spec.world_size,
                     backend=spec.backend, timeout_s=spec.timeout_s, name=f"refit/{spec.epoch}", device=device,
-                    secret=spec.secret,
+                    secret=spec.secret, init_timeout_s=max(deadline - time.monotonic(), 0.1),
                 )
             except Exception as e:
                 raise TransportError(f"{self._refit_label()}: could not join the refit communicator "
@@ -409,6 +420,7 @@ class _RefitEndpoint:
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_transfer")
+            self._refit_transfer_starts(epoch)
             failure: tuple[type, str] | None = None
             try:
                 stats = self._refit_run(timeout_s, verify)
@@ -423,6 +435,7 @@ class _RefitEndpoint:
                 }
             self._refit_drop_group(collect=True)
             cls, msg = failure
+            self._refit_transfer_failed(epoch, msg)
             raise cls(f"{self._refit_label()}: refit transfer failed (epoch {epoch}): {msg}")
 
     def _refit_run(self, timeout_s: float | None, verify: bool) -> TransferStats:
@@ -438,7 +451,10 @@ class _RefitEndpoint:
             return st.executor.run(src, dst, verify=verify, corrupt=fault)
 
     def refit_commit(self, epoch: int) -> None:
-        """The controller verified the transfer of ``epoch``: tell the actor (engines only)."""
+        """The controller verified the transfer of ``epoch``: tell the actor (engines only).
+
+        An engine's weights are whole again once its ``on_weights_loaded`` has returned.
+        """
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_commit")
@@ -446,6 +462,12 @@ class _RefitEndpoint:
         self._refit_committed()
 
     def _refit_committed(self) -> None:
+        pass
+
+    def _refit_transfer_starts(self, epoch: int) -> None:
+        pass
+
+    def _refit_transfer_failed(self, epoch: int, msg: str) -> None:
         pass
 
     def refit_teardown(self) -> None:
@@ -524,6 +546,15 @@ class EngineEndpoint(_RefitEndpoint):
     ``refit_destinations()`` returns the tensors the weights land in, in place, laid out
     over the shard's own workers ``0 .. workers_per_shard-1``. ``on_weights_loaded()``
     runs after every transfer that the controller has verified.
+
+    Bytes land before they are checked, so a transfer that fails or is cut short leaves the
+    live weights torn (some params new, some old, some half of each). The endpoint marks
+    itself inconsistent before the first byte can land and consistent again only when the
+    controller commits a verified transfer and ``on_weights_loaded`` returns, so even a
+    worker whose controller or peers died knows. ``on_weights_inconsistent(reason)`` tells
+    the engine; ``refit_weights_state()`` and ``check_weights_consistent()`` ask. An endpoint
+    whose transfers land in side buffers, loaded at commit, says so by returning False from
+    ``_refit_in_place`` and marks itself while its load runs (``mark_weights_inconsistent``).
     """
 
     _refit_role = "dst"
@@ -534,11 +565,69 @@ class EngineEndpoint(_RefitEndpoint):
     def on_weights_loaded(self) -> None:
         """Called after new weights landed and were verified (e.g. to re-process them)."""
 
+    def on_weights_inconsistent(self, reason: str) -> None:
+        """Called each time the live weights are marked torn, with why; an engine stops serving them.
+
+        It may come again while they are already torn, with a more precise reason (a transfer
+        started, then failed). They are whole again once ``on_weights_loaded`` has returned.
+        """
+
     def _refit_tensors(self) -> dict[str, LocalShard]:
         return dict(self.refit_destinations())
 
+    def _refit_in_place(self) -> bool:
+        """Whether a transfer writes into the live weights (True) or into buffers loaded at commit."""
+        return True
+
+    def _refit_transfer_starts(self, epoch: int) -> None:
+        if self._refit_in_place():
+            self.mark_weights_inconsistent(f"a refit transfer (epoch {epoch}) is writing into the live weights")
+
+    def _refit_transfer_failed(self, epoch: int, msg: str) -> None:
+        if self._refit_in_place():
+            self.mark_weights_inconsistent(f"the refit transfer of epoch {epoch} failed part way: {msg}")
+
     def _refit_committed(self) -> None:
-        self.on_weights_loaded()
+        st = self._refit_state()
+        try:
+            self.on_weights_loaded()
+        except BaseException as e:
+            if self._refit_in_place():  # the verified bytes are in place, but the engine could not take them
+                self.mark_weights_inconsistent(f"loading the verified weights of epoch {st.loaded_epoch} failed: "
+                                               f"{type(e).__name__}: {_first_line(e)}")
+            raise
+        st.committed_epoch, st.commits = st.loaded_epoch, st.commits + 1
+        self.mark_weights_consistent()
+
+    def mark_weights_inconsistent(self, reason: str) -> None:
+        """Record that the live weights are torn, and tell the engine (``on_weights_inconsistent``)."""
+        st = self._refit_state()
+        st.inconsistent_reason, st.consistent = reason, False
+        try:
+            self.on_weights_inconsistent(reason)
+        except Exception:  # noqa: BLE001 - the mark stands; raising here would strand the transfer's peers
+            log.exception("%s: on_weights_inconsistent raised", self._refit_label())
+
+    def mark_weights_consistent(self) -> None:
+        """Record that the live weights are whole again (a verified refit was loaded completely)."""
+        st = self._refit_state()
+        st.consistent, st.inconsistent_reason = True, None
+
+    def refit_weights_state(self) -> dict:
+        """``consistent``, the ``epoch`` and count (``commits``) of the last refit committed, and the ``reason``.
+
+        Read without the endpoint's lock, so that it answers while a transfer runs.
+        """
+        st = self._refit_state()
+        return {"consistent": st.consistent, "epoch": st.committed_epoch, "commits": st.commits,
+                "reason": st.inconsistent_reason, "label": self._refit_label()}
+
+    def check_weights_consistent(self) -> None:
+        """Raise ``InconsistentWeights`` while the live weights are torn: what a serving entry point calls first."""
+        st = self._refit_state()
+        if not st.consistent:
+            raise InconsistentWeights(f"{self._refit_label()}: refusing to serve torn weights "
+                                      f"({st.inconsistent_reason}); a refit must complete first")
 
 
 def _wait_for_listener(address: str, port: int, deadline: float) -> None:

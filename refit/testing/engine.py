@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from refit.errors import LayoutError
+from refit.errors import InconsistentWeights, LayoutError
 from refit.layout import mesh_coords_of, shard_slices
 from refit.models.fused import FusedLayout, offset_entries
 from refit.models.megatron import Entry
@@ -290,7 +290,12 @@ class EngineShard(EngineEndpoint):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full logits ``[batch, seq, vocab]`` on every TP rank (every rank of the shard must call it)."""
+        """Full logits ``[batch, seq, vocab]`` on every TP rank (every rank of the shard must call it).
+
+        Refuses (``InconsistentWeights``) while a refit that wrote into the weights has not
+        completed: torn weights give plausible logits of no model at all.
+        """
+        self._check_shard_consistent()
         s, w = self.spec, self.weights
         ids = input_ids.to(self.device)
         lo = self.rank * self.vocab
@@ -308,6 +313,17 @@ class EngineShard(EngineEndpoint):
         if self.tp > 1:
             logits = torch.cat(self.comm.all_gather(logits), dim=-1)
         return logits
+
+    def _check_shard_consistent(self) -> None:
+        """Every TP rank refuses when any rank of the shard is torn; one refusing alone would leave
+        the others waiting in the forward's first collective."""
+        mine = self.refit_weights_state()["consistent"]
+        if self.tp > 1:
+            torn = self.comm.all_reduce(torch.tensor([0.0 if mine else 1.0], device=self.device))
+            if mine and torn.item() > 0:
+                raise InconsistentWeights(f"{self._refit_label()}: refusing to serve: another worker of this shard "
+                                          "holds torn weights; a refit must complete first")
+        self.check_weights_consistent()
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

@@ -242,6 +242,38 @@ def test_frozen_rank_raises_no_absent_shard_in_bounded_time(synced):
     assert wrong_weights(engines, 2) == {}
 
 
+@pytest.mark.timeout(4 * STUCK_S)
+def test_frozen_rank_with_another_shard_already_out_raises_no_absent_shard_in_bounded_time(synced):
+    """A shard already left out is no news: only the failed round's shards count as newly absent.
+
+    Counting the shard an earlier build had excluded as absent again rebuilt the same
+    membership, waited for the frozen rank a second time and ended in a different error after
+    twice the bound. The bound is the deadline plus the settle budget plus the probe, with a
+    slack far below what a second wait costs.
+    """
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 3, 1, refit_timeout_s=5.0, grace_s=3.0,
+                                     ping_timeout_s=3.0)
+    frozen = StuckEngine(1, 0, 1, hidden=HIDDEN)
+    sync.replace_shard(1, [frozen])
+    engines[1] = [frozen]
+    sync.init_communicator()
+    sync._engines[2][0].kill()  # shard 2 is gone: the next sync rebuilds over shards 0 and 1
+    set_step(trainers, 1)
+    res = sync.sync_weights()
+    assert res.verified and res.shards == [0, 1] and wrong_weights(engines, 1, [0, 1]) == {}
+    frozen.stuck.set()
+    set_step(trainers, 2)
+    t0 = time.monotonic()
+    with pytest.raises(NoAbsentShard) as info:
+        sync.sync_weights()
+    elapsed = time.monotonic() - t0
+    bound = sync.refit_timeout_s + sync.settle_budget_s() + sync.ping_timeout_s
+    assert elapsed < bound + 4.0, (elapsed, bound)
+    assert info.value.timed_out == ["shard 1 worker 0"] and "shard 1 worker 0" in str(info.value)
+    frozen.stuck.clear()
+    frozen.release.set()
+
+
 class FailingLoadEngine(SyntheticEngine):
     """An engine whose load of verified weights fails while ``broken`` is set (a bug, a full device)."""
 

@@ -80,9 +80,11 @@ def test_a_failed_refit_leaves_the_engines_serving_the_previous_weights(fleet, s
     sync.sync_weights()
     fleet.train_step(PROMPT)  # new weights on the trainer, never committed to the engines
     fleet.trainers[1].call("refit_inject_fault", byte=12345).result(60)
-    with pytest.raises(RefitVerificationError):
+    with pytest.raises(RefitVerificationError) as info:
         sync.sync_weights()
+    assert info.value.inconsistent == []  # loader mode: the bytes landed in side buffers, never loaded
     for shard in range(2):  # nothing was loaded: the engines still match the previous step, and generate
+        assert fleet.engines[shard].weights_state()["consistent"]
         _check(fleet, shard, before)
     reference = fleet.train_step(PROMPT)
     sync.sync_weights()
@@ -134,12 +136,15 @@ def test_engines_survive_a_trainer_rank_dying_mid_refit(fleet, sync):
 
     sync.on_phase = on_phase
     try:
-        with pytest.raises(RefitWorkerError, match="trainer rank 3"):
+        with pytest.raises(RefitWorkerError, match="trainer rank 3") as info:
             sync.sync_weights()
     finally:
         sync.on_phase = None
     assert killed
+    assert info.value.inconsistent == [] and sync.inconsistent_workers() == []
     for shard in range(2):
+        state = fleet.engines[shard].weights_state()
+        assert state["consistent"] and all(w["consistent"] for w in state["workers"]), state
         _check(fleet, shard, before)
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from refit.engines.vllm.extension import new_key, open_sealed, seal
 from refit.engines.vllm.shard_tensor import CheckpointShard, as_checkpoint_tensor
-from refit.engines.vllm.worker import check_parallel_layout, choose_receive_mode
-from refit.errors import LayoutError, RefitError
+from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout, choose_receive_mode
+from refit.errors import InconsistentWeights, LayoutError, RefitError
 from refit.layout import Shard, chunk_bounds, shard_slices
 
 
@@ -91,3 +91,44 @@ def test_pipeline_and_expert_parallel_engines_are_refused_by_name():
         check_parallel_layout(SimpleNamespace(pipeline_parallel_size=2, enable_expert_parallel=False))
     with pytest.raises(RefitError, match="enable_expert_parallel"):
         check_parallel_layout(SimpleNamespace(pipeline_parallel_size=1, enable_expert_parallel=True))
+
+
+class _LoaderWithoutVllm(VllmWorkerEndpoint):
+    """A loader-mode endpoint whose loaders are three layers of the test's, the second of which may fail."""
+
+    def __init__(self, receive_mode: str = "loader"):
+        self.receive_mode = receive_mode
+        self.loads, self.last_load_s = 0, 0.0
+        self.layers = [0, 0, 0]
+        self.fail_at: int | None = None
+        self.told: list[str] = []
+
+    def on_weights_inconsistent(self, reason: str) -> None:
+        self.told.append(reason)
+
+    def _run_loaders(self) -> None:
+        for i in range(len(self.layers)):
+            if i == self.fail_at:
+                raise RuntimeError(f"out of memory loading layer {i}")
+            self.layers[i] += 1
+
+
+def test_a_vllm_load_that_fails_part_way_marks_the_worker_inconsistent_until_one_completes():
+    ep = _LoaderWithoutVllm()
+    assert not ep._refit_in_place()  # loader mode: a transfer lands in side buffers only
+    assert _LoaderWithoutVllm("direct")._refit_in_place()
+    assert ep.refit_weights_state()["consistent"]
+    ep.fail_at = 1
+    with pytest.raises(RuntimeError, match="layer 1"):
+        ep.on_weights_loaded()
+    assert ep.layers == [1, 0, 0]  # torn: layer 0 new, the others old
+    state = ep.refit_weights_state()
+    assert not state["consistent"] and "failed part way" in state["reason"] and "layer 1" in state["reason"]
+    assert ep.told == ["vLLM's load of the received weights is running", state["reason"]]
+    assert ep.loads == 0
+    with pytest.raises(InconsistentWeights):
+        ep.check_weights_consistent()
+    ep.fail_at = None
+    ep.on_weights_loaded()
+    assert ep.refit_weights_state()["consistent"] and ep.layers == [2, 1, 1] and ep.loads == 1
+    ep.check_weights_consistent()

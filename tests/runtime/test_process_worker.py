@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -87,3 +88,40 @@ def test_a_bad_layout_in_a_worker_process_is_refused_before_any_transfer():
     finally:
         sync.shutdown()
         close(*trainers, *engines[0])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("after_s", [0.0, 0.05])
+def test_a_worker_dying_inside_a_rebuilds_rendezvous_is_excluded_and_the_rebuild_retried(after_s):
+    """A re-admitted worker dies a moment into the rendezvous of the rebuild that re-admits it.
+
+    Gloo waits five times its timeout for a peer to connect in, so the survivors used to sit
+    in refit_connect for 5 x the connect timeout, the controller gave up on all of them and
+    blamed every healthy worker. Now they are released within the connect timeout, the dead
+    one is named, its shard excluded and the build retried over the rest: the sync verifies.
+    """
+    from helpers.dying import DyingEngine
+
+    timeout_s, grace_s, ping_s = 4.0, 2.0, 2.0
+    trainers, engines = fleet(2, 2, 1)
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=timeout_s, grace_s=grace_s,
+                                           ping_timeout_s=ping_s)
+    victim = ProcessWorker(DyingEngine, 1, 0, 1, hidden=HIDDEN, name="shard 1 worker 0 (dying)")
+    try:
+        sync.init_communicator()
+        set_step(trainers, 1)
+        assert sync.sync_weights().verified
+        sync.replace_shard(1, [victim])
+        victim.call("die_in_next_connect", after_s).result(60)
+        set_step(trainers, 2)
+        t0 = time.monotonic()
+        res = sync.sync_weights()
+        elapsed = time.monotonic() - t0
+        assert victim.is_dead()
+        assert res.verified and res.shards == [0] and wrong(engines, 2, [0]) == {}
+        # one connect timeout for the survivors, the settle's grace, a probe, a rebuild: not 5 x the timeout
+        assert elapsed < timeout_s + grace_s + ping_s + 5.0, elapsed
+        assert "shard 1 worker 0" in (res.failure or ""), res.failure
+    finally:
+        sync.shutdown()
+        close(*trainers, *(w for s in engines for w in s), victim)

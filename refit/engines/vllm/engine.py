@@ -15,7 +15,8 @@ a shard) and send them as one sealed batch.
 Generation never sees partial weights. Calls to a host run one at a time, so nothing
 generates while a refit moves bytes; in loader mode the live weights change only at the
 commit, after the controller verified every byte; and an engine whose refit started but
-was not committed (direct mode writes in place) refuses to generate until a refit commits.
+was not committed (direct mode writes in place), or whose load failed part way, refuses to
+generate until a refit commits. ``weights_state()`` says which, worker by worker.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from refit.engines.vllm.extension import EXTENSION, KEY_ENV, new_key, open_sealed, seal
-from refit.errors import RefitError
+from refit.errors import InconsistentWeights, RefitError
 from refit.runtime.handles import FuturePending, WorkerDied, pid_alive
 
 __all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost"]
@@ -37,7 +38,7 @@ __all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost"]
 _TRANSFER_METHODS = {"refit_transfer"}
 
 
-class IncompleteWeights(RefitError):
+class IncompleteWeights(InconsistentWeights):
     """This engine's last refit did not commit, so its weights may be partial: it does not generate."""
 
 
@@ -66,6 +67,7 @@ class VllmEngineHost:
         self.tp_size = int(llm_kwargs.get("tensor_parallel_size", 1))
         self._lock = threading.RLock()
         self._incomplete = False
+        self._reason: str | None = None  # why the weights are torn, while they are
         self.version = 0  # refits committed
         info = self._batch("refit_attach", {r: ((), {"receive_mode": receive_mode}) for r in range(self.tp_size)})
         self.workers_info = [_unwrap(x) for x in info]
@@ -82,14 +84,32 @@ class VllmEngineHost:
         """Run ``method`` on the workers named in ``calls`` (by TP rank); ``(ok, result or error)`` each."""
         with self._lock:
             if method in _TRANSFER_METHODS and self.direct:
-                self._incomplete = True  # until a commit says otherwise
+                # until a commit says otherwise
+                self._incomplete, self._reason = True, "a refit transfer wrote into the live weights"
             if method == "refit_commit" and not self.direct:
-                self._incomplete = True  # a load that fails part way leaves some layers new
+                # a load that fails part way leaves some layers new
+                self._incomplete, self._reason = True, "vLLM's load of the received weights did not complete"
             out = self._batch(method, calls)
             if method == "refit_commit" and all(ok for ok, _ in out):
-                self._incomplete = False
+                self._incomplete, self._reason = False, None
                 self.version += 1
+            elif self._incomplete and method in (*_TRANSFER_METHODS, "refit_commit"):
+                failed = next((value for ok, value in out if not ok), None)
+                if failed is not None:
+                    text = str(failed).strip().splitlines()
+                    self._reason = f"{method} failed: {type(failed).__name__}: {text[0] if text else ''}"
             return out
+
+    def weights_state(self) -> dict:
+        """Whether this engine serves: ``consistent`` (every worker's weights whole), ``version``
+        (refits committed), ``reason`` while not, and each worker's own record (``workers``)."""
+        with self._lock:
+            workers = [_unwrap(x) for x in self._batch("refit_weights_state",
+                                                        {r: ((), {}) for r in range(self.tp_size)})]
+            consistent = not self._incomplete and all(w["consistent"] for w in workers)
+            reason = self._reason or next((w["reason"] for w in workers if not w["consistent"]), None)
+            return {"consistent": consistent, "version": self.version, "reason": None if consistent else reason,
+                    "workers": workers}
 
     def refit_ping(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "worker_pids": self.worker_pids}
@@ -111,8 +131,8 @@ class VllmEngineHost:
     # -- generation -------------------------------------------------------------------
     def _check_complete(self) -> None:
         if self._incomplete:
-            raise IncompleteWeights("this engine's last refit did not commit; its weights may be partial, so it "
-                                    "does not generate until a refit completes")
+            raise IncompleteWeights(f"this engine's last refit did not commit ({self._reason}); its weights may be "
+                                    "partial, so it does not generate until a refit completes")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[list[int]]:
         """Greedy continuations of token-id prompts."""
@@ -178,6 +198,10 @@ class VllmEngine:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A call to the host itself (``generate``, ``prompt_logprobs``, ``receive_modes``)."""
         return self.host.call(method, *args, **kwargs)
+
+    def weights_state(self, timeout_s: float = 60.0) -> dict:
+        """The host's ``weights_state()``: whether the engine serves, and each worker's record."""
+        return self.host.call("weights_state").result(timeout_s)
 
     def _submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> cf.Future:
         fut: cf.Future = cf.Future()

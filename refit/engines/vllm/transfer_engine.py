@@ -219,7 +219,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             raise RefitError("refit weight transfer: init_weight_transfer_engine first")
         _transfer(self.endpoint, self.params, epoch=1, timeout_s=self.info.timeout_s, verify=self.info.verify,
                   step=update_info.step, labels=self.labels)
-        self.endpoint.on_weights_loaded()
+        self.endpoint.refit_commit(1)  # loads (loader mode) and marks the weights whole again
+
+    def weights_state(self) -> dict:
+        """This worker's ``refit_weights_state()``: whether its live weights are whole, and why not."""
+        endpoint = getattr(self, "endpoint", None)
+        if endpoint is None:
+            return {"consistent": True, "epoch": -1, "commits": 0, "reason": None, "label": "vLLM worker"}
+        return endpoint.refit_weights_state()
 
     def finish_weight_update(self) -> None:
         """Nothing: ``update_weights`` loaded the weights already."""

@@ -17,7 +17,9 @@ Loading starts only after the controller verified the transfer, so a failed or c
 refit never reaches the live weights in loader mode. A failure inside the load itself puts
 every layer that was not finished back on its previous tensors before the error is raised:
 vLLM's layerwise reload leaves unfinished layers on the ``meta`` device otherwise, and the
-next generation kills the engine.
+next generation kills the engine. The finished layers keep their new weights, so the
+endpoint marks itself inconsistent while a load runs and consistent when it completes; in
+direct mode, from the start of a transfer until its commit (``EngineEndpoint``).
 """
 
 from __future__ import annotations
@@ -133,15 +135,35 @@ class VllmWorkerEndpoint(EngineEndpoint):
                 "loads": self.loads, "last_load_s": self.last_load_s}
 
     # -- after a verified refit -------------------------------------------------------
+    def _refit_in_place(self) -> bool:
+        """Direct mode writes into the live parameters; loader mode into buffers vLLM loads at commit."""
+        return self.receive_mode == "direct"
+
     def on_weights_loaded(self) -> None:
         if self.receive_mode == "loader":
             self.load_received()
 
     def load_received(self) -> None:
-        """Run vLLM's loaders over the received shards under layerwise reload."""
+        """Run vLLM's loaders over the received shards under layerwise reload.
+
+        The live weights are torn from the moment the load starts until it completes: one
+        that fails part way leaves the finished layers new and the others old.
+        """
+        t0 = time.perf_counter()
+        self.mark_weights_inconsistent("vLLM's load of the received weights is running")
+        try:
+            self._run_loaders()
+        except Exception as e:
+            self.mark_weights_inconsistent(f"vLLM's load of the received weights failed part way: "
+                                           f"{type(e).__name__}: {e}")
+            raise
+        self.loads += 1
+        self.last_load_s = time.perf_counter() - t0
+        self.mark_weights_consistent()
+
+    def _run_loaders(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        t0 = time.perf_counter()
         initialize_layerwise_reload(self.model)
         finished = False
         try:
@@ -154,8 +176,6 @@ class VllmWorkerEndpoint(EngineEndpoint):
             finalize_layerwise_reload(self.model, self.model_config)
             if not finished:
                 log.error("refit: loading the received weights failed; unfinished layers keep their old weights")
-        self.loads += 1
-        self.last_load_s = time.perf_counter() - t0
 
     def received_state(self) -> Mapping[str, torch.Tensor]:
         """The shards as received (loader mode) or as written in place (direct mode), by checkpoint name."""
