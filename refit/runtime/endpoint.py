@@ -45,6 +45,7 @@ from refit.plan import (
     check_local_shapes,
     group_roster,
 )
+from refit.runtime.handles import listening_sockets
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
@@ -660,26 +661,7 @@ def process_resources() -> dict:
         fds = os.listdir("/proc/self/fd")
         out["fds"] = len(fds)
         out["threads"] = len(os.listdir("/proc/self/task"))
-        inodes = set()
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-        ports = []
-        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-            try:
-                with open(table) as f:
-                    next(f)
-                    for line in f:
-                        parts = line.split()
-                        if parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
-                            ports.append(int(parts[1].rsplit(":", 1)[1], 16))
-            except OSError:
-                continue
-        out["listening_ports"] = sorted(ports)
+        out["listening_ports"] = sorted(port for _, port in listening_sockets())
     except OSError:
         out.update(fds=-1, threads=threading.active_count(), listening_ports=[])
     return out

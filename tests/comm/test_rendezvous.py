@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import tempfile
 import threading
 from datetime import timedelta
@@ -26,6 +25,7 @@ from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import RendezvousTampered, SealedStore, new_secret, resolve_secret
 from refit.layout import StridedShard
 from refit.plan import RosterEntry
+from refit.runtime.handles import listening_sockets
 
 
 class _Payload:
@@ -142,7 +142,7 @@ def test_sealed_ranks_exchange_and_listen_on_loopback_only():
     try:
         got = ranks.go()
         assert all(g == ("gathered", [{"rank": 0}, {"rank": 1}]) for g in got.values()), got
-        listening = {pid: _listening_addresses(pid) for pid in ranks.pids}
+        listening = {pid: listening_sockets(pid) for pid in ranks.pids}
         assert ranks.port in {port for addrs in listening.values() for _, port in addrs}
         for pid, addrs in listening.items():
             assert addrs, f"rank process {pid} listens on nothing (store and gloo pairs expected)"
@@ -150,35 +150,6 @@ def test_sealed_ranks_exchange_and_listen_on_loopback_only():
             assert not wide, f"rank process {pid} listens beyond loopback: {wide}"
     finally:
         ranks.close()
-
-
-def _listening_addresses(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket that process ``pid`` listens on, from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                local, state, inode = parts[1], parts[3], parts[9]
-                if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                    continue
-                hex_addr, hex_port = local.split(":")
-                raw = bytes.fromhex(hex_addr)
-                if family == socket.AF_INET:
-                    raw = raw[::-1]
-                else:  # four little-endian 32-bit words
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                out.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
-    return out
 
 
 def test_sealed_store_refuses_values_moved_between_keys():
