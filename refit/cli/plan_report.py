@@ -1,10 +1,12 @@
 """``refit plan``: plan a refit of a model between two layouts and report what it would cost.
 
-Builds the merged index straight from the model's shapes and the layout strings, then the
-plan of every rank (or of ``--rank R`` alone), and reports per-rank bytes sent and
-received, the heaviest rank against the ideal, the time to build one rank's plan, and a
-simulated refit time on the declared topology next to its bandwidth lower bound (see
-``refit.cli.sim``), with and without replica fan-out. ``--png`` draws the per-rank load and
+Builds every rank's roster as ranks report it at run time (one group per layout), passes
+them through the wire format and merges them as the controller and every rank do, then
+builds the plan of every rank (or of ``--rank R`` alone). It reports the rosters-to-plan
+time (the merge plus the slowest sampled rank's plan), per-rank bytes and peers, the
+heaviest rank against the ideal and the layout's bound, a simulated refit time on the
+declared topology next to its bandwidth lower bound (see ``refit.cli.sim``), with and
+without replica fan-out, and a simulated rebuild (merge, plan, connection set-up). ``--png`` draws the per-rank load and
 the simulated timeline; ``--scaling`` measures how one rank's plan-build time grows with
 the number of engine ranks.
 """
@@ -27,6 +29,11 @@ from refit.cli.checks import (
     positive_int_list,
     writable_file,
 )
+
+# Worlds larger than this get the plain variant alone unless --fanout asks for more (every
+# rank's fan-out plan takes minutes there), and the receivers' traffic of a plain plan from
+# their senders' buckets (both ends cut the same ones) with a sample of receivers built in full.
+LARGE_WORLD = 512
 
 FANOUT_VARIANTS = {
     "off": ("no fan-out", dict(fanout=False)),
@@ -52,15 +59,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-dtype", type=dtype, default=None, help="training weights dtype (default: the model's)")
     g.add_argument("--engine-dtype", type=dtype, default=None, help="engine weights dtype (default: the model's)")
     g.add_argument("--rosters", action="store_true",
-                   help="build every rank's roster list and merge them with merge_rosters, as ranks do at run "
-                        "time (slower), instead of building the merged index straight from the layouts")
+                   help="ranks report one roster entry per param (the old format, slower to merge) instead of "
+                        "one group per layout")
     g = p.add_argument_group("plan")
     g.add_argument("--rank", type=non_negative_int, default=None, help="plan this rank alone (no simulation)")
     g.add_argument("--bucket-mb", type=positive_float, default=64.0, help="bucket size in MiB (64)")
     g.add_argument("--fanout", type=choice_list(FANOUT_VARIANTS, allow_empty=True),
-                   default="off,replicas,node",
+                   default=None,
                    help="comma list of variants: off, replicas (groups of identical regions), node (groups kept "
-                        "inside a node); default all three; '' for none (with --scaling)")
+                        f"inside a node); default all three up to {LARGE_WORLD} ranks, off above; '' for none "
+                        "(with --scaling)")
     g.add_argument("--stripe-mb", type=positive_float, default=4.0, help="fan-out stripe size in MiB (4)")
     g.add_argument("--repeats", type=positive_int, default=3, help="cold builds timed per sampled rank (3)")
     g.add_argument("--no-check", action="store_true", help="skip the cross-rank send/recv consistency check")
@@ -70,8 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nic-gbps", type=positive_float, default=50.0,
                    help="NIC GB/s per GPU between nodes (50 = 400 Gb/s)")
     g.add_argument("--latency-us", type=non_negative_float, default=20.0, help="latency per round of buckets (20 us)")
+    g.add_argument("--message-us", type=non_negative_float, default=15.0,
+                   help="fixed cost per message (bucket) on its rank (15 us)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
+    g.add_argument("--markdown", action="store_true",
+                   help="print the report's tables as markdown (what docs/scale.md shows)")
     g.add_argument("--png", metavar="FILE", type=writable_file, default=None,
                    help="draw per-rank load and the simulated timeline")
     g.add_argument("--per-rank", action="store_true", help="include every rank's bytes in the JSON")
@@ -87,7 +99,7 @@ def _setup(args):
     import dataclasses
 
     from refit.cli.sim import Topology
-    from refit.models import build_index, get_model, parse_engine, parse_train
+    from refit.models import get_model, parse_engine, parse_train
     from refit.models.parallel import node_map
 
     model = get_model(args.model)
@@ -96,27 +108,66 @@ def _setup(args):
                                     num_mtp_layers=0 if args.layers < model.num_layers else model.num_mtp_layers)
     train = parse_train(args.train, world=args.train_gpus)
     engine = parse_engine(args.engine, world=args.engine_gpus)
-    t0 = time.perf_counter()
-    merge = {}
-    if args.rosters:
-        from refit.models import build_rosters
-        from refit.plan import merge_rosters
-
-        rosters = build_rosters(model, train, engine, train_dtype=args.train_dtype, engine_dtype=args.engine_dtype)
-        merge["roster_entries"] = sum(len(v) for v in rosters.values())
-        merge["build_rosters_seconds"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        index = merge_rosters(rosters, train.world + engine.world)
-        del rosters
-    else:
-        index = build_index(model, train, engine, train_dtype=args.train_dtype, engine_dtype=args.engine_dtype)
-    t1 = time.perf_counter()
-    _ = index.digest  # computed lazily: force it here so its cost is timed apart from the plans
-    t2 = time.perf_counter()
+    index, merge = gathered_index(model, train, engine, args)
     nodes = node_map(train.world, train.world, index.world_size, args.gpus_per_node)
-    topo = Topology(args.gpus_per_node, args.nvlink_gbps, args.nic_gbps, args.latency_us, tuple(nodes))
-    key = "merge_rosters_seconds" if args.rosters else "build_index_seconds"
-    return model, train, engine, index, topo, {**merge, key: t1 - t0, "digest_seconds": t2 - t1}
+    topo = Topology(args.gpus_per_node, args.nvlink_gbps, args.nic_gbps, args.latency_us, tuple(nodes),
+                    message_us=args.message_us)
+    return model, train, engine, index, topo, merge
+
+
+def as_gathered(rosters: dict, wire) -> tuple[dict, int, int]:
+    """Every rank's groups as the merge gets them: decoded from the wire format, so names and
+    meshes are fresh objects with nothing cached on them. The merge reads the names of the
+    first group it meets with each digest and only the digest of the others, so ranks
+    reporting one group share the decoded names of its first copy (decoding millions of
+    names that nothing reads would only slow this report down)."""
+    from refit.plan import RosterGroup
+
+    fresh: dict[tuple[str, str], RosterGroup] = {}
+    out = {}
+    for r in sorted(rosters):
+        mine = []
+        for g in rosters[r]:
+            first = fresh.get((g.role, g.digest))
+            if first is None:
+                mine.append(fresh.setdefault((g.role, g.digest), wire.unpack(wire.pack(g))))
+            else:
+                mesh, placements = wire.unpack(wire.pack([g.mesh, g.placements]))
+                mine.append(RosterGroup(first.names, first.shapes, g.dtype, mesh, placements, g.role, g.digest))
+        out[r] = mine
+    return out, len(fresh), sum(len(g.names) for g in fresh.values())
+
+
+def gathered_index(model, train, engine, args):
+    """The merged index as the run-time path makes it: every rank's roster (groups, or one
+    entry per param with ``--rosters``), through the wire format (as the controller gets
+    them), then ``merge_rosters``, timed as the fastest of ``--repeats`` merges."""
+    from refit.comm import wire
+    from refit.models import build_roster_groups, build_rosters
+    from refit.plan import merge_rosters
+
+    kw = dict(train_dtype=args.train_dtype, engine_dtype=args.engine_dtype)
+    t0 = time.perf_counter()
+    rosters = (build_rosters if args.rosters else build_roster_groups)(model, train, engine, **kw)
+    out: dict = {"roster_format": "entries" if args.rosters else "groups",
+                 "roster_entries": sum(len(v) for v in rosters.values()),
+                 "build_rosters_seconds": time.perf_counter() - t0}
+    if not args.rosters:
+        out["roster_names"] = sum(len(g.names) for v in rosters.values() for g in v)
+        t0 = time.perf_counter()
+        rosters, out["distinct_groups"], out["distinct_names"] = as_gathered(rosters, wire)
+        out["wire_seconds"] = time.perf_counter() - t0
+    walls, cpus = [], []
+    index = None
+    for _ in range(max(1, args.repeats)):
+        index = None  # free the last one before the clock starts
+        t0, c0 = time.perf_counter(), time.process_time()
+        index = merge_rosters(rosters, train.world + engine.world)
+        _ = index.digest  # part of the merge (plan keys need it)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    out.update(merge_rosters_seconds=min(walls), merge_rosters_cpu_seconds=min(cpus))
+    return index, out
 
 
 def _plan_kwargs(args, variant: dict, topo) -> dict:
@@ -156,27 +207,52 @@ def sample_ranks(train_world: int, world: int) -> list[int]:
 
 
 def _pair_digest(buckets) -> dict[int, tuple[int, int, int]]:
+    """Per peer: ops, a digest of their task ids, bytes (what both ends of a pair must agree on)."""
     out: dict[int, list[int]] = {}
     for b in buckets:
-        d = out.setdefault(b.peer, [0, 0, 0])
-        d[0] += len(b.ops)
-        d[1] ^= sum(op.task_id for op in b.ops) & ((1 << 64) - 1)
+        d = out.get(b.peer)
+        if d is None:
+            d = out[b.peer] = [0, 0, 0]
+        ops = b.ops
+        d[0] += len(ops)
+        d[1] ^= (ops[0].task_id if len(ops) == 1 else sum(op.task_id for op in ops)) & ((1 << 64) - 1)
         d[2] += b.nbytes
     return {p: tuple(v) for p, v in out.items()}
 
 
-def plan_all(index, topo, check: bool, **kw) -> dict:
-    """Every rank's plan, reduced to its traffic; cross-rank consistency checked on the way."""
-    from refit.cli.sim import traffic_of
+def source_ranks(index) -> set[int]:
+    """Ranks that hold some param as a source (the only ranks a plan without fan-out sends from)."""
+    groups = getattr(index.specs, "groups", None)
+    layouts = {id(g[0]): g[0] for g in groups} if groups is not None else {
+        id(s.src): s.src for s in index.specs.values()}
+    return {r for lay in layouts.values() for r in lay.mesh_ranks}
+
+
+def _plan_ranks(index, ranks, topo, check: bool, receivers, kw) -> tuple:
+    """Traffic, receivers' receipts and pair digests of the plans of ``ranks``."""
+    from refit.cli.sim import Receipts, traffic_of
     from refit.plan import build_rank_plan
 
-    traffic = []
+    traffic: dict[int, object] = {}
+    receipts: dict[int, Receipts] = {}
     sends: dict[tuple[int, int, int], tuple] = {}
     recvs: dict[tuple[int, int, int], tuple] = {}
-    t0 = time.perf_counter()
-    for r in range(index.world_size):
+    for r in ranks:
         plan = build_rank_plan(index, r, **kw)
-        traffic.append(traffic_of(plan, topo))
+        traffic[r] = traffic_of(plan, topo)
+        if receivers:
+            by_peer: dict[int, list] = {}
+            for b in plan.sends:
+                if b.peer in receivers:
+                    got = by_peer.get(b.peer)
+                    if got is None:
+                        got = by_peer[b.peer] = []
+                    got.append(b)
+            for peer, buckets in by_peer.items():
+                got = receipts.get(peer)
+                if got is None:
+                    got = receipts[peer] = Receipts(peer, topo)
+                got.add(r, buckets, topo)
         if check:
             for phase, (s, rv) in enumerate(((plan.sends, plan.recvs), (plan.gather_sends, plan.gather_recvs))):
                 for peer, d in _pair_digest(s).items():
@@ -184,15 +260,65 @@ def plan_all(index, topo, check: bool, **kw) -> dict:
                 for peer, d in _pair_digest(rv).items():
                     recvs[(phase, peer, r)] = d
         del plan
+    return traffic, receipts, sends, recvs
+
+
+def plan_all(index, topo, check: bool, **kw) -> dict:
+    """Every rank's traffic, cross-rank consistency checked on the way.
+
+    Every rank's plan is built, except for a plain plan (no fan-out) on more than
+    ``LARGE_WORLD`` ranks: there the ranks that only receive get their traffic from their
+    senders' buckets (``refit.cli.sim.Receipts``), and a sample of them is built in full and
+    checked against what their senders send them."""
+    from refit.cli.sim import Receipts
+
+    world = index.world_size
+    senders = source_ranks(index)
+    mirror = not kw.get("fanout") and world > LARGE_WORLD
+    built = list(range(world)) if not mirror else sorted(senders)
+    receivers = frozenset(r for r in range(world) if r not in senders) if mirror else frozenset()
+    t0 = time.perf_counter()
+    parts = [_plan_ranks(index, built, topo, check, receivers, kw)]
+    traffic: dict[int, object] = {}
+    receipts: dict[int, Receipts] = {r: Receipts(r, topo) for r in receivers}
+    sends: dict[tuple[int, int, int], tuple] = {}
+    recvs: dict[tuple[int, int, int], tuple] = {}
+    for tr, rc, se, rv in parts:
+        traffic.update(tr)
+        for r, got in rc.items():
+            receipts[r].merge(got)
+        sends.update(se)
+        recvs.update(rv)
+    checked = len(built)
+    if mirror:
+        for r, got in receipts.items():
+            traffic[r] = got.traffic()
+        if check:  # the receivers built in full: their receives must be what their senders send them
+            step = max(1, len(receipts) // 16)
+            sample = sorted(set(list(receipts)[::step]) | {max(receipts, default=0)}) if receipts else []
+            _, _, _, rv = _plan_ranks(index, sample, topo, True, frozenset(), kw)
+            recvs.update(rv)
+            sends = {k: v for k, v in sends.items() if k[2] in senders or k[2] in sample}
+            checked += len(sample)
     seconds = time.perf_counter() - t0
     consistent = None
     if check:
         consistent = sends == recvs
-    return {"traffic": traffic, "seconds": seconds, "consistent": consistent}
+    return {"traffic": [traffic[r] for r in range(world)], "seconds": seconds, "consistent": consistent,
+            "plans_built": checked, "receivers_from_senders": len(receipts)}
+
+
+def peer_counts(traffic, train_world: int) -> dict:
+    """Distinct peers per rank, training and generation ranks apart."""
+    out = {}
+    for side, ranks in (("trainer", traffic[:train_world]), ("generation", traffic[train_world:])):
+        peers = [t.peers for t in ranks]
+        out[side] = {"max": max(peers, default=0), "mean": statistics.fmean(peers) if peers else 0.0}
+    return out
 
 
 def run_variant(name: str, variant: dict, args, index, topo, train_world: int) -> dict:
-    from refit.cli.sim import balance, lower_bound, simulate
+    from refit.cli.sim import CONNECTIONS, balance, connection_costs, lower_bound, simulate
 
     kw = _plan_kwargs(args, variant, topo)
     res = plan_all(index, topo, not args.no_check, **kw)
@@ -217,7 +343,11 @@ def run_variant(name: str, variant: dict, args, index, topo, train_world: int) -
         "fanout": bool(variant.get("fanout")),
         "node_domains": bool(variant.get("node_domains")),
         "plans_all_ranks_seconds": res["seconds"],
+        "plans_built": res["plans_built"],
+        "receivers_from_senders": res["receivers_from_senders"],
         "consistent": res["consistent"],
+        "peers": peer_counts(traffic, train_world),
+        "connections": [connection_costs([t.peers for t in traffic], c) for c in CONNECTIONS],
         "bytes_sent_total": sum(sent),
         "bytes_from_sources": sum(t.ports[0]["nic_out"] + t.ports[0]["nvl_out"] for t in src_ranks),
         "bytes_in_groups": sum(t.ports[1]["nic_out"] + t.ports[1]["nvl_out"] for t in traffic),
@@ -326,6 +456,8 @@ def build_report(args) -> dict:
     kw = dict(bucket_bytes=int(args.bucket_mb * (1 << 20)))
     if args.rank is not None:
         report["plan_build"] = time_one_rank(index, args.rank, args.repeats, **kw)
+        report["rosters_to_plan"] = rosters_to_plan(merge, report["plan_build"]["seconds_min"],
+                                                    report["plan_build"]["cpu_seconds_min"])
         from refit.plan import build_rank_plan
 
         plan = build_rank_plan(index, args.rank, **kw)
@@ -338,14 +470,47 @@ def build_report(args) -> dict:
     worst = max(samples, key=lambda x: x["seconds_min"])
     report["plan_build"] = {"max_seconds": worst["seconds_min"], "max_rank": worst["rank"],
                             "max_cpu_seconds": max(x["cpu_seconds_min"] for x in samples), "samples": samples}
+    report["rosters_to_plan"] = rosters_to_plan(merge, worst["seconds_min"], report["plan_build"]["max_cpu_seconds"])
     variants = []
-    for key in args.fanout:
+    for key in variant_keys(args, index.world_size):
         name, variant = FANOUT_VARIANTS[key]
-        variants.append(run_variant(name, variant, args, index, topo, train.world))
+        v = run_variant(name, variant, args, index, topo, train.world)
+        plan_cpu = report["plan_build"]["max_cpu_seconds"]
+        if variant.get("fanout"):  # its plans cost more: the slowest sampled rank's, built cold once
+            plan_cpu = max(time_one_rank(index, r, 1, **_plan_kwargs(args, variant, topo))["cpu_seconds_min"]
+                           for r in sample_ranks(train.world, index.world_size))
+        v["rebuild"] = rebuild(merge["merge_rosters_cpu_seconds"], plan_cpu, v["connections"])
+        variants.append(v)
     report["variants"] = variants
     if args.scaling:
         report["scaling"] = scaling(args, model, train, args.repeats)
     return report
+
+
+def variant_keys(args, world: int) -> list[str]:
+    """The --fanout variants, or the default: all three up to ``LARGE_WORLD`` ranks, the plain one above."""
+    if args.fanout is not None:
+        return list(args.fanout)
+    return list(FANOUT_VARIANTS) if world <= LARGE_WORLD else ["off"]
+
+
+def rosters_to_plan(merge: dict, plan_seconds: float, plan_cpu_seconds: float) -> dict:
+    """What a membership change costs a rank before it moves a byte: merging the gathered
+    rosters, then its own plan (the slowest sampled rank's, built cold)."""
+    return {"merge_seconds": merge["merge_rosters_seconds"], "merge_cpu_seconds": merge["merge_rosters_cpu_seconds"],
+            "plan_seconds": plan_seconds, "plan_cpu_seconds": plan_cpu_seconds,
+            "seconds": merge["merge_rosters_seconds"] + plan_seconds,
+            "cpu_seconds": merge["merge_rosters_cpu_seconds"] + plan_cpu_seconds}
+
+
+def rebuild(merge_cpu: float, plan_cpu: float, connections: list[dict]) -> dict:
+    """A simulated rebuild per transport: the merge, the slowest rank's plan (CPU time on
+    this machine), then its connections set up one after another (``refit.cli.sim.Connections``)."""
+    return {"merge_seconds": merge_cpu, "plan_seconds": plan_cpu,
+            "by_transport": {c["transport"]: {"connect_seconds": c["setup_seconds"],
+                                              "seconds": merge_cpu + plan_cpu + c["setup_seconds"],
+                                              "connection_memory_bytes": c["memory_bytes"]}
+                             for c in connections}}
 
 
 def _print_text(report: dict) -> None:
@@ -354,12 +519,11 @@ def _print_text(report: dict) -> None:
     print(f"train {report['train']} ({report['train_ranks']} ranks) -> engine {report['engine']} "
           f"({report['engine_ranks']} ranks); {report['topology']}")
     ix = report["index"]
-    if "merge_rosters_seconds" in ix:
-        print(f"index: {ix['roster_entries']} roster entries merged into {ix['params']} params in "
-              f"{ix['merge_rosters_seconds']:.2f} s, digest {ix['digest_seconds']:.2f} s")
-    else:
-        print(f"index: {ix['params']} params built in {ix['build_index_seconds']:.2f} s, "
-              f"digest {ix['digest_seconds']:.2f} s")
+    rp = report["rosters_to_plan"]
+    print(f"index: {ix['roster_entries']} roster {ix['roster_format']} from {report['world']} ranks merged into "
+          f"{ix['params']} params in {ix['merge_rosters_seconds']:.3f} s "
+          f"({ix['merge_rosters_cpu_seconds']:.3f} s CPU); "
+          f"rosters -> one rank's plan {rp['seconds']:.3f} s ({rp['cpu_seconds']:.3f} s CPU)")
     pb = report["plan_build"]
     if "rank" in report:
         r = report["rank"]
@@ -377,6 +541,13 @@ def _print_text(report: dict) -> None:
         print(f"{v['variant']:<28}{v['simulated']['seconds'] * 1e3:>9.0f}ms{v['lower_bound']['seconds'] * 1e3:>8.0f}ms"
               f"{v['sim_over_bound']:>10.3f}{v['bytes_from_sources'] / 1e12:>10.2f}TB"
               f"{v['senders']['ratio']:>16.3f}{v['receivers']['ratio']:>16.3f}{str(v['consistent']):>5}")
+    for v in report["variants"]:
+        pe = v["peers"]
+        rb = "; ".join(f"{k} {x['seconds']:.2f} s" for k, x in v["rebuild"]["by_transport"].items())
+        print(f"  {v['variant']}: peers per trainer rank max {pe['trainer']['max']} "
+              f"(mean {pe['trainer']['mean']:.1f}), "
+              f"per generation rank max {pe['generation']['max']} (mean {pe['generation']['mean']:.1f}); "
+              f"busiest sender / layout bound {v['senders'].get('ratio_to_layout_best', 1.0):.4f}; rebuild {rb}")
     for v in report["variants"]:
         ph = "; ".join(f"{p['name']} {p['seconds'] * 1e3:.0f} ms (rank {p['bottleneck_rank']} {p['bottleneck_port']})"
                        for p in v["simulated"]["phases"])
@@ -400,13 +571,51 @@ def check_args(args) -> None:
                                             ("--per-rank", args.per_rank)) if given]
         if ignored:
             raise ConfigError(f"{', '.join(ignored)} report every rank's plans; --rank {args.rank} plans one alone")
-    if args.png and not args.fanout:
+    if args.png and args.fanout is not None and not args.fanout:
         raise ConfigError(f"--png {args.png} draws the --fanout variants; --fanout '' asks for none")
     if args.png:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:  # optional extra
             raise ConfigError(f"--png {args.png}: needs matplotlib (pip install 'refit[plot]')")
+
+
+def markdown_figures(report: dict) -> str:
+    """The report's plan figures as a markdown table: pure functions of the model, the
+    layouts and the topology, so a test can hold docs/scale.md to them."""
+    out = ["| plan | simulated refit | lower bound | sim / bound | trainers send | inside groups "
+           "| busiest sender / layout's bound | busiest receiver / its need | peers per trainer rank (max, mean) "
+           "| peers per generation rank (max, mean) | NCCL connections of the busiest rank |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for v in report["variants"]:
+        se, re_, pe = v["senders"], v["receivers"], v["peers"]
+        nccl = next(c for c in v["connections"] if c["transport"] == "nccl")
+        out.append(
+            f"| {v['variant']} | {v['simulated']['seconds'] * 1e3:.1f} ms | {v['lower_bound']['seconds'] * 1e3:.1f} ms "
+            f"| {v['sim_over_bound']:.3f} | {v['bytes_from_sources'] / 1e12:.3f} TB "
+            f"| {v['bytes_in_groups'] / 1e12:.3f} TB "
+            f"| {se['max'] / 1e9:.3f} / {se.get('layout_best', se['max']) / 1e9:.3f} GB "
+            f"= {se.get('ratio_to_layout_best', 1.0):.4f} "
+            f"| {re_['max'] / 1e9:.3f} / {re_.get('layout_best', re_['max']) / 1e9:.3f} GB "
+            f"| {pe['trainer']['max']}, {pe['trainer']['mean']:.1f} | {pe['generation']['max']}, "
+            f"{pe['generation']['mean']:.1f} | {nccl['max_peers']} peers: {nccl['setup_seconds'] * 1e3:.0f} ms, "
+            f"{nccl['memory_bytes'] / (1 << 20):.0f} MiB |")
+    return "\n".join(out)
+
+
+def markdown_times(report: dict) -> str:
+    """The report's timings as a markdown table (CPU seconds on the machine that ran it)."""
+    ix, rp = report["index"], report["rosters_to_plan"]
+    out = ["| roster groups (names) from all ranks | distinct groups (names read) | merge | one rank's plan "
+           "| rosters -> plan | rebuild, NCCL / NIXL (plain plan) |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    reb = report["variants"][0]["rebuild"]["by_transport"] if report.get("variants") else {}
+    rb = " / ".join(f"{x['seconds']:.2f} s" for x in reb.values()) or "-"
+    out.append(f"| {ix['roster_entries']:,} ({ix.get('roster_names', ix['roster_entries']):,}) "
+               f"| {ix.get('distinct_groups', '-')} ({ix.get('distinct_names', '-'):,}) "
+               f"| {rp['merge_cpu_seconds']:.3f} s | {rp['plan_cpu_seconds']:.3f} s | {rp['cpu_seconds']:.3f} s "
+               f"| {rb} |")
+    return "\n".join(out)
 
 
 def run(args) -> int:
@@ -421,6 +630,10 @@ def run(args) -> int:
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
+    elif args.markdown and "variants" in report:
+        print(markdown_figures(report))
+        print()
+        print(markdown_times(report))
     else:
         _print_text(report)
     if any(v.get("consistent") is False for v in report.get("variants", [])):

@@ -16,12 +16,22 @@ The model, simple on purpose so that it can be argued with:
   keeps several rounds and every peer in flight, NCCL many channels), so a port is busy
   for its bytes / bandwidth, and the phase lasts as long as its busiest port, plus
   ``latency_us`` for each round of buckets on the rank that runs the most rounds.
+* Every message (bucket) costs its rank ``message_us`` of fixed overhead besides its
+  bytes, on top of the per-round latency: posting, matching and completing a send or a
+  receive. DESIGN.md's anchors put it at 12-18 us per message for NCCL's batched
+  send/recv on H200 (1000 x 1 MiB in 21 ms, 4000 x 256 KiB in 52 ms, against 2.9 ms of
+  bytes at 370 GB/s), so 15 us by default.
 * Local copies (a rank that is source and destination of one param) go over HBM and
   are not counted.
 
-So ``simulated time = sum over phases of (max over ranks and ports of bytes / bandwidth
-+ latency x rounds)``. It ignores congestion inside the fabric and the compute of packing
-(both matter on real clusters: read it as what the plan's load distribution permits).
+So ``simulated time = sum over phases of (max over ranks of (its busiest port's bytes /
+bandwidth + message_us x its messages) + latency x rounds)``.
+
+The model ignores congestion inside the fabric and the compute of packing (both matter
+on real clusters: read it as what the plan's load distribution permits).
+
+Connections are priced apart (``Connections``, ``connection_costs``): every distinct peer
+of a rank is a connection that a build sets up once and that holds memory while it lives.
 
 The lower bound (``lower_bound``) is computed from the rosters alone, never from a plan:
 it is the largest of what any plan must spend on one port, namely
@@ -77,6 +87,7 @@ class Topology:
     nic_gbps: float = 50.0  # 400 Gb/s
     latency_us: float = 20.0
     nodes: tuple[int, ...] | None = None
+    message_us: float = 15.0  # fixed cost per message (bucket) on its rank, besides its bytes
 
     def node(self, rank: int) -> int:
         if self.nodes is not None and rank < len(self.nodes):
@@ -88,7 +99,43 @@ class Topology:
 
     def describe(self) -> str:
         return (f"{self.gpus_per_node} GPUs/node, NVLink {self.nvlink_gbps:g} GB/s, NIC {self.nic_gbps:g} GB/s "
-                f"({self.nic_gbps * 8:g} Gb/s) per GPU, {self.latency_us:g} us per round")
+                f"({self.nic_gbps * 8:g} Gb/s) per GPU, {self.latency_us:g} us per round, "
+                f"{self.message_us:g} us per message")
+
+
+@dataclass(frozen=True)
+class Connections:
+    """What each distinct peer of a rank costs a build: set-up time and memory.
+
+    ``setup_s`` is paid once per peer per build, one peer after another on a rank (ranks
+    in parallel); ``memory_bytes`` is held per peer while the communicator lives. The
+    figures are documented ones, cited in ``source`` and in docs/scale.md.
+    """
+
+    name: str
+    setup_s: float
+    memory_bytes: int
+    source: str
+
+
+# NCCL sets up a send/recv connection on first use, per peer (NCCL issue #415: "Send/Recv
+# connections are established on demand"; the first send/recv to a peer took 10-100 ms
+# there, so 10 ms); each holds NCCL_BUFFSIZE (4 MiB) per channel, NCCL_NCHANNELS_PER_NET_PEER
+# (2) channels, one way and back (NCCL environment variable docs): 16 MiB.
+NCCL = Connections("nccl", 0.010, 2 * 2 * (4 << 20),
+                   "NCCL env docs (NCCL_BUFFSIZE 4 MiB, NCCL_NCHANNELS_PER_NET_PEER 2); NCCL issue #415")
+# NIXL loads each peer's agent metadata and makes its UCX endpoint: ~800 ms for 8 peers fetched
+# one after another (ai-dynamo/nixl PR #1132), so 100 ms a peer; its memory is the registered
+# buffers, whatever the peer count, so none per peer.
+NIXL = Connections("nixl", 0.100, 0, "ai-dynamo/nixl PR #1132 (8 peers, 800 ms sequential)")
+CONNECTIONS = (NCCL, NIXL)
+
+
+def connection_costs(peers: Sequence[int], conn: Connections) -> dict:
+    """Set-up seconds and memory of the busiest rank (by peers) under ``conn``."""
+    most = max(peers, default=0)
+    return {"transport": conn.name, "max_peers": most, "setup_seconds": most * conn.setup_s,
+            "memory_bytes": most * conn.memory_bytes, "source": conn.source}
 
 
 @dataclass
@@ -100,6 +147,7 @@ class RankTraffic:
     rounds: list[int] = field(default_factory=lambda: [0, 0])
     buckets: list[int] = field(default_factory=lambda: [0, 0])
     local_bytes: int = 0
+    peers: int = 0  # distinct ranks it sends to or receives from, both phases
 
     @property
     def bytes_sent(self) -> int:
@@ -110,7 +158,10 @@ class RankTraffic:
         return sum(p["nic_in"] + p["nvl_in"] for p in self.ports)
 
     def busy(self, phase: int, topo: Topology) -> float:
-        """Seconds this rank's busiest port needs in ``phase``."""
+        """Seconds this rank needs in ``phase``: its busiest port, plus its messages' fixed costs."""
+        return self.port_seconds(phase, topo) + self.buckets[phase] * topo.message_us * 1e-6
+
+    def port_seconds(self, phase: int, topo: Topology) -> float:
         return max(self.ports[phase][p] / topo.bandwidth(p) for p in PORTS)
 
 
@@ -121,21 +172,75 @@ def _direct(b) -> bool:
 
 
 def traffic_of(plan: RankPlan, topo: Topology) -> RankTraffic:
-    """Bytes per port and phase of one rank's plan on ``topo``."""
+    """Bytes per port and phase of one rank's plan on ``topo`` (one pass over its buckets)."""
     t = RankTraffic(plan.rank)
-    me = topo.node(plan.rank)
+    node = topo.node
+    me = node(plan.rank)
+    peers: set[int] = set()
     for phase, (sends, recvs) in enumerate(((plan.sends, plan.recvs), (plan.gather_sends, plan.gather_recvs))):
         ports = t.ports[phase]
-        for b in sends:
-            ports["nvl_out" if topo.node(b.peer) == me else "nic_out"] += b.nbytes
-        for b in recvs:
-            ports["nvl_in" if topo.node(b.peer) == me else "nic_in"] += b.nbytes
-        staged = {b.index for b in (*sends, *recvs) if not _direct(b)}
-        direct = any(_direct(b) for b in (*sends, *recvs))
+        staged: set[int] = set()
+        direct = False
+        for buckets, near, far in ((sends, "nvl_out", "nic_out"), (recvs, "nvl_in", "nic_in")):
+            for b in buckets:
+                ports[near if node(b.peer) == me else far] += b.nbytes
+                if len(b.ops) == 1 and b.ops[0].direct:
+                    direct = True
+                else:
+                    staged.add(b.index)
+                peers.add(b.peer)
         t.rounds[phase] = len(staged) + (1 if direct else 0)
         t.buckets[phase] = len(sends) + len(recvs)
     t.local_bytes = plan.local_bytes
+    t.peers = len(peers)
     return t
+
+
+class Receipts:
+    """The traffic of a rank that only receives, in a plan without fan-out, gathered from its
+    senders' buckets to it (both ends cut the same buckets), so its own plan need not be built:
+    ``add`` each sender's buckets to it, then ``traffic`` gives what ``traffic_of`` would give."""
+
+    __slots__ = ("rank", "node", "nic_in", "nvl_in", "staged", "direct", "buckets", "peers")
+
+    def __init__(self, rank: int, topo: Topology):
+        self.rank, self.node = rank, topo.node(rank)
+        self.nic_in = self.nvl_in = self.buckets = 0
+        self.staged: set[int] = set()
+        self.direct = False
+        self.peers: set[int] = set()
+
+    def add(self, sender: int, buckets, topo: Topology) -> None:
+        """``sender``'s buckets to this rank."""
+        nbytes = sum(b.nbytes for b in buckets)
+        if topo.node(sender) == self.node:
+            self.nvl_in += nbytes
+        else:
+            self.nic_in += nbytes
+        for b in buckets:
+            if len(b.ops) == 1 and b.ops[0].direct:
+                self.direct = True
+            else:
+                self.staged.add(b.index)
+        self.peers.add(sender)
+        self.buckets += len(buckets)
+
+    def merge(self, other: Receipts) -> None:
+        """Add what another process gathered for this rank."""
+        self.nic_in += other.nic_in
+        self.nvl_in += other.nvl_in
+        self.staged |= other.staged
+        self.direct = self.direct or other.direct
+        self.buckets += other.buckets
+        self.peers |= other.peers
+
+    def traffic(self) -> RankTraffic:
+        t = RankTraffic(self.rank)
+        t.ports[0]["nic_in"], t.ports[0]["nvl_in"] = self.nic_in, self.nvl_in
+        t.rounds[0] = len(self.staged) + (1 if self.direct else 0)
+        t.buckets[0] = self.buckets
+        t.peers = len(self.peers)
+        return t
 
 
 @dataclass
@@ -184,8 +289,9 @@ def simulate(traffic: Iterable[RankTraffic], topo: Topology) -> SimResult:
             continue
         worst, worst_rank, worst_port = 0.0, None, None
         for t in traffic:
+            msgs = t.buckets[ph] * topo.message_us * 1e-6
             for p in PORTS:
-                s = t.ports[ph][p] / topo.bandwidth(p)
+                s = t.ports[ph][p] / topo.bandwidth(p) + msgs
                 if s > worst:
                     worst, worst_rank, worst_port = s, t.rank, p
         rounds = max(t.rounds[ph] for t in traffic)
@@ -197,8 +303,10 @@ def simulate(traffic: Iterable[RankTraffic], topo: Topology) -> SimResult:
         start += seconds
     # what forwarding each stripe as soon as it lands would give: every port carries both
     # phases' bytes at once (refit.transport.fanout runs the phases one after the other today)
-    overlapped = max((sum(t.ports[ph][p] for ph in range(2)) / topo.bandwidth(p) for t in traffic for p in PORTS),
-                     default=0.0) + lat * max((sum(t.rounds) for t in traffic), default=0)
+    msg = topo.message_us * 1e-6
+    overlapped = max((sum(t.ports[ph][p] for ph in range(2)) / topo.bandwidth(p) + msg * sum(t.buckets)
+                      for t in traffic for p in PORTS), default=0.0) + lat * max((sum(t.rounds) for t in traffic),
+                                                                                 default=0)
     return SimResult(start, phases, topo, dict(timeline), overlapped)
 
 
@@ -342,5 +450,5 @@ def balance(values: Sequence[int]) -> dict:
     return {"max": mx, "ideal": ideal, "ratio": (mx / ideal) if ideal else 1.0, "ranks": len(vals)}
 
 
-__all__ = ["Bound", "Phase", "RankTraffic", "SimResult", "Topology", "balance", "lower_bound", "simulate",
-           "traffic_of"]
+__all__ = ["CONNECTIONS", "NCCL", "NIXL", "Bound", "Connections", "Phase", "RankTraffic", "SimResult", "Topology",
+           "Receipts", "balance", "connection_costs", "lower_bound", "simulate", "traffic_of"]

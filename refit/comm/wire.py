@@ -20,7 +20,7 @@ import torch
 
 from refit.errors import RefitError
 from refit.layout import Replicate, Shard, StridedShard
-from refit.plan import RosterEntry
+from refit.plan import RosterEntry, RosterGroup
 
 
 class WireFormatError(RefitError):
@@ -53,7 +53,7 @@ def register_record(cls: type, name: str | None = None) -> type:
     return cls
 
 
-for _cls in (Shard, Replicate, StridedShard, RosterEntry):
+for _cls in (Shard, Replicate, StridedShard, RosterEntry, RosterGroup):
     register_record(_cls)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from refit.errors import LayoutError
 from refit.layout import Placement, Replicate, Shard
 from refit.models.specs import ModelSpec, ParamShape
-from refit.plan import ParamIndex, ParamSpec, RosterEntry, TensorLayout
+from refit.plan import ParamIndex, ParamSpec, RosterEntry, RosterGroup, TensorLayout
 
 
 def _parse(text: str, allowed: Iterable[str], what: str) -> dict[str, int]:
@@ -336,6 +336,48 @@ def build_rosters(model: ModelSpec, train: TrainParallel, engine: EngineParallel
     return rosters
 
 
+def build_roster_groups(model: ModelSpec, train: TrainParallel, engine: EngineParallel,
+                        **kwargs) -> dict[int, list[RosterGroup]]:
+    """Per-rank roster groups, as every rank reports them at run time (for ``merge_rosters``).
+
+    Each rank gets its own group records, one per layout it has, as ``refit.plan.group_roster``
+    would make them from its entries; ranks of one mesh share the name tuples (what a rank
+    sends is the same either way, and the merge reads each distinct group's names once).
+    """
+    b = LayoutBuilder(model, train, engine, **kwargs)
+    pairs: dict[tuple[int, int], tuple] = {}  # params sharing their layout objects, then each layout's params
+    for p in model.params():
+        src, dsts = b.src(p), b.dsts(p)
+        got = pairs.get((id(src), id(dsts)))
+        if got is None:
+            got = pairs[(id(src), id(dsts))] = (src, dsts, [], [])
+        got[2].append(p.name)
+        got[3].append(p.shape)
+    per_layout: dict[tuple[TensorLayout, str], tuple[list[str], list[tuple[int, ...]]]] = {}
+    for src, dsts, names, shapes in pairs.values():
+        for role, lays in (("src", (src,)), ("dst", dsts)):
+            for lay in lays:
+                got = per_layout.get((lay, role))
+                if got is None:
+                    got = per_layout[(lay, role)] = ([], [])
+                got[0].extend(names)
+                got[1].extend(shapes)
+    protos: dict[tuple, RosterGroup] = {}  # one sorted name tuple and digest per distinct name list
+    rosters: dict[int, list[RosterGroup]] = {r: [] for r in range(b.world)}
+    for (lay, role), (names, shapes) in per_layout.items():
+        key = (tuple(names), tuple(shapes))
+        proto = protos.get(key)
+        if proto is None:
+            order = sorted(range(len(names)), key=names.__getitem__)
+            proto = protos[key] = RosterGroup.make([names[i] for i in order], [shapes[i] for i in order],
+                                                   lay.dtype, [], [], role)
+        mesh = np.array(lay.mesh_ranks).reshape(lay.mesh_shape).tolist()
+        for r in lay.mesh_ranks:
+            rosters[r].append(RosterGroup(proto.names, proto.shapes, lay.dtype, mesh, list(lay.placements), role,
+                                          proto.digest))
+    return rosters
+
+
 def node_map(train_world: int, engine_offset: int, world: int, gpus_per_node: int) -> list[int]:
     """Node of every rank: training ranks fill nodes from 0, engine ranks start on a fresh node."""
     nodes = []
@@ -346,5 +388,6 @@ def node_map(train_world: int, engine_offset: int, world: int, gpus_per_node: in
     return nodes
 
 
-__all__ = ["EngineParallel", "LayoutBuilder", "TrainParallel", "build_index", "build_rosters", "node_map",
+__all__ = ["EngineParallel", "LayoutBuilder", "TrainParallel", "build_index", "build_roster_groups", "build_rosters",
+           "node_map",
            "parse_engine", "parse_train", "squeeze_mesh"]

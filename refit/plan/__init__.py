@@ -24,8 +24,10 @@ from refit.plan.roster import (
     ParamIndex,
     ParamSpec,
     RosterEntry,
+    RosterGroup,
     TensorLayout,
     check_local_shapes,
+    group_roster,
     merge_rosters,
     min_bytes_needed,
     source_shards,
@@ -34,7 +36,8 @@ from refit.plan.templates import PlanStats
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "DEFAULT_DIRECT_BYTES", "DEFAULT_STRIPE_BYTES", "Bucket", "LayoutGeometry", "Op",
-    "ParamIndex", "ParamSpec", "PlanCache", "PlanStats", "RankPlan", "RosterEntry", "TensorLayout",
-    "build_rank_plan", "check_local_shapes", "contiguous", "itemsize", "merge_rosters", "min_bytes_needed",
-    "pack_buckets", "plan_key", "reset_planner_cache", "source_shards", "split_box", "task_id", "wire_dtype",
+    "ParamIndex", "ParamSpec", "PlanCache", "PlanStats", "RankPlan", "RosterEntry", "RosterGroup", "TensorLayout",
+    "build_rank_plan", "check_local_shapes", "contiguous", "group_roster", "itemsize", "merge_rosters",
+    "min_bytes_needed", "pack_buckets", "plan_key", "reset_planner_cache", "source_shards", "split_box", "task_id",
+    "wire_dtype",
 ]

@@ -89,6 +89,17 @@ class Op:
     def nbytes(self) -> int:
         return self.box.numel * itemsize(self.wire_dtype)
 
+    @classmethod
+    def planned(cls, task_id: int, name: str, src: int, dst: int, box: Box, src_dtype: str, dst_dtype: str,
+                wire_dtype: str, direct: bool, nbytes: int) -> Op:
+        """The planner's constructor: the same fields and ``nbytes``, set in one step. The
+        dataclass's own ``__init__`` sets a frozen record's fields one at a time, and a
+        1T-parameter fleet's plans make millions of ops."""
+        op = object.__new__(cls)
+        op.__dict__.update(task_id=task_id, name=name, src=src, dst=dst, box=box, src_dtype=src_dtype,
+                           dst_dtype=dst_dtype, wire_dtype=wire_dtype, direct=direct, nbytes=nbytes)
+        return op
+
     def sort_key(self):
         return (self.name, self.box.start)
 

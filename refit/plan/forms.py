@@ -7,7 +7,7 @@ import bisect
 from typing import Any, NamedTuple
 
 from refit.plan.geometry import GeometryCache
-from refit.plan.roster import ParamIndex, TensorLayout
+from refit.plan.roster import ParamIndex, SpecTable, TensorLayout
 from refit.plan.templates import FormPlanner
 
 
@@ -174,7 +174,10 @@ def planner_cache(index: ParamIndex) -> PlannerCache:
 
 
 def reset_planner_cache(index: ParamIndex) -> None:
-    """Forget the geometry and templates cached on ``index`` (to time a cold build)."""
+    """Forget the geometry and templates cached on ``index``, and the specs made from a
+    merge's groups (to time a cold build, as a rank's first after a membership change)."""
     index.__dict__.pop("_planner_cache", None)
+    if isinstance(index.specs, SpecTable):
+        index.specs.forget()
 
 

@@ -7,7 +7,11 @@ without talking, because everything that decides an op is a pure function of the
   both ends, and adding ranks never renumbers the ops that already existed;
 * which source replica serves a destination is decided by byte offsets along a canonical
   consumer order (destination layouts by their lowest rank, ranks in mesh order), so
-  appended engines land at the end of that order;
+  appended engines land at the end of that order. The params sharing a shape and layouts
+  (a stage's layers, an EP rank's experts) are laid end to end consumer by consumer and
+  the replicas take contiguous windows of that stream: a destination meets one or two
+  replicas of each source shard, not one per param, and the replicas' loads stay within
+  one param's bytes of even (fan-out plans rotate each param's windows instead);
 * ops between one pair of ranks are sorted by (param, block) and packed greedily into
   buckets, so both ends cut the same buckets.
 
@@ -31,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit.errors import PlanError
-from refit.plan.buckets import DEFAULT_BUCKET_BYTES, Bucket, Op, pack_buckets
+from refit.plan.buckets import DEFAULT_BUCKET_BYTES, Bucket, Op, itemsize, pack_buckets
 from refit.plan.forms import planner_cache
 from refit.plan.roster import ParamIndex
-from refit.plan.templates import PlannedBlock, PlanStats, StripeRef, rotation, window
+from refit.plan.templates import PlannedBlock, PlanStats, StripeRef, rotation, serving_replica, window
 
 DEFAULT_STRIPE_BYTES = 4 << 20  # fan-out stripe grid (see build_rank_plan)
 
@@ -166,8 +170,18 @@ def _build_rank_plan(index, rank, bucket_bytes, stats, fanout, fanout_domains, f
     gsends: dict[int, list[Op]] = defaultdict(list)
     grecvs: dict[int, list[Op]] = defaultdict(list)
     local: list[Op] = []
-    for name in index.by_rank.get(rank, ()):
-        spec = index.specs[name]
+    names = index.by_rank.get(rank, ())
+    specs = [index.specs[name] for name in names]
+    # each param's position among the params sharing its shape and layouts (all of them are
+    # this rank's too): the plain plan's replica choice lays a group's bytes end to end
+    sizes: dict[tuple, int] = defaultdict(int)
+    positions = []
+    same = _SameLayouts()
+    for spec in specs:
+        key = (same.key(spec), spec.shape)
+        positions.append(sizes[key])
+        sizes[key] += 1
+    for name, spec, pos in zip(names, specs, positions):
         lookup = cache.form(spec.src, spec.dsts, domains)
         ranks = lookup.ranks
         fp = cache.planner(spec.shape, lookup.form, bucket_bytes, stripe_bytes)
@@ -178,9 +192,12 @@ def _build_rank_plan(index, rank, bucket_bytes, stats, fanout, fanout_domains, f
         for part in t.local:
             emit(local, part.blocks, rank, rank, part.dst_index)
         if t.src is not None:
-            rot = rotation(name) % t.src.replicas
             units = t.src.units
-            for i in t.mine(rot):
+            if fanout:
+                mine = t.mine(rotation(name) % t.src.replicas)
+            else:
+                mine = t.serves(sizes[(same.key(spec), spec.shape)], pos)
+            for i in mine:
                 target, g = units[i].target, units[i].dst_index
                 if isinstance(target, StripeRef):
                     grp = fp.groups(stats)[target.group]
@@ -192,9 +209,14 @@ def _build_rank_plan(index, rank, bucket_bytes, stats, fanout, fanout_domains, f
                 emit(sends[d], fp.unit_blocks(t, i, stats), rank, d, g)
         if t.recv:
             h = rotation(name)
+            n = sizes[(same.key(spec), spec.shape)]
             for part in t.recv:
                 k = len(part.replicas)
-                s = ranks[part.replicas[window(part.offset, part.total, k, h % k)]]
+                if fanout:
+                    v = window(part.offset, part.total, k, h % k)
+                else:
+                    v = serving_replica(part.offset, part.nbytes, part.total, k, n, pos)
+                s = ranks[part.replicas[v]]
                 emit(recvs[s], part.blocks, s, rank, part.dst_index)
         if t.fan is not None:
             grp = t.fan.group
@@ -232,6 +254,24 @@ def _build_rank_plan(index, rank, bucket_bytes, stats, fanout, fanout_domains, f
     return plan
 
 
+class _SameLayouts:
+    """Keys params by the value of their (source, destinations) layouts, hashing each
+    distinct pair of layout objects once (params of one model share those objects)."""
+
+    __slots__ = ("_by_id", "_by_value")
+
+    def __init__(self):
+        self._by_id: dict[tuple[int, int], int] = {}
+        self._by_value: dict[tuple, int] = {}
+
+    def key(self, spec) -> int:
+        ids = (id(spec.src), id(spec.dsts))
+        got = self._by_id.get(ids)
+        if got is None:
+            got = self._by_id[ids] = self._by_value.setdefault((spec.src, spec.dsts), len(self._by_value))
+        return got
+
+
 class _Emitter:
     """Turns one param's planned blocks into ops between actual ranks (task ids from the
     param's name and the destination rank, whose prefix is digested once per destination)."""
@@ -249,9 +289,11 @@ class _Emitter:
             prefix = self.prefixes[d] = f"{self.name}|{d}".encode()
         dd = self.dsts[g].dtype
         sd, wire = (dd, dd) if gather else (self.src_dtype, self.wire[g])
+        item = itemsize(wire)
         name = self.name
+        planned = Op.planned
         for b in blocks:
-            out.append(Op(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct))
+            out.append(planned(_task_id_from(prefix, b), name, s, d, b.box, sd, dd, wire, b.direct, b.numel * item))
 
 
 def fanout_key(fanout: bool, stripe_bytes, domains) -> tuple | None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 
@@ -163,7 +165,7 @@ class RosterEntry:
         return cls(name, tuple(int(s) for s in global_shape), dtype, mesh, placements, role)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamSpec:
     name: str
     shape: tuple[int, ...]
@@ -171,27 +173,75 @@ class ParamSpec:
     dsts: tuple[TensorLayout, ...]  # ordered by lowest rank: appended engines come last
 
 
+class SpecTable(Mapping):
+    """Every param's ``ParamSpec`` by name, each made when first read, from params grouped
+    by shared layouts (what ``merge_rosters`` finds).
+
+    A rank reads the specs of its own params only: making all 70k of a 1T-parameter model
+    up front cost more than merging the rosters. Iterating, ``values()`` and comparing with
+    a dict make them all."""
+
+    def __init__(self, groups: Sequence[tuple[TensorLayout, tuple[TensorLayout, ...], Sequence[str],
+                                              Sequence[tuple[int, ...]]]]):
+        self.groups = list(groups)  # (src, dsts, names, shapes)
+        self._group: dict[str, int] = {}
+        self._pos: dict[str, int] = {}
+        for g, (_, _, names, _) in enumerate(self.groups):
+            self._group.update(dict.fromkeys(names, g))
+            self._pos.update(zip(names, range(len(names))))
+        self._made: dict[str, ParamSpec] = {}
+
+    def __getitem__(self, name: str) -> ParamSpec:
+        got = self._made.get(name)
+        if got is None:
+            src, dsts, _, shapes = self.groups[self._group[name]]
+            got = self._made[name] = ParamSpec(name, shapes[self._pos[name]], src, dsts)
+        return got
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._group
+
+    def __iter__(self):
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+    def forget(self) -> None:
+        """Drop the specs made so far (to time a cold build, which makes them)."""
+        self._made.clear()
+
+    def __getstate__(self) -> dict:  # the specs made so far are this process's working memory
+        return {"groups": self.groups}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["groups"])
+
+
 @dataclass
 class ParamIndex:
     """Merged rosters: one spec per param and, per rank, the params it touches."""
 
     world_size: int
-    specs: dict[str, ParamSpec]
+    specs: Mapping[str, ParamSpec]  # a dict, or a SpecTable
     by_rank: dict[int, list[str]]
 
     @cached_property
     def digest(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        h.update(str(self.world_size).encode())
-        layouts: dict[tuple, bytes] = {}  # the layers and experts of a model share few layout sets
-        for name in sorted(self.specs):
-            s = self.specs[name]
-            lay = layouts.get((s.src, s.dsts))
-            if lay is None:
-                lay = layouts[(s.src, s.dsts)] = repr((s.src, s.dsts)).encode()
-            h.update(repr((name, s.shape)).encode())
-            h.update(lay)
-        return h.hexdigest()
+        """A content key of the whole index (world size, names, shapes and layouts).
+
+        Params sharing their layouts are digested together (``index_digest``), so the cost
+        is one pass over the names plus one per distinct layout set."""
+        if isinstance(self.specs, SpecTable):
+            return index_digest(self.world_size, self.specs.groups)
+        by_id: dict[tuple[int, int], tuple] = {}
+        for name, s in self.specs.items():
+            got = by_id.get((id(s.src), id(s.dsts)))
+            if got is None:
+                got = by_id[(id(s.src), id(s.dsts))] = (s.src, s.dsts, [], [])
+            got[2].append(name)
+            got[3].append(s.shape)
+        return index_digest(self.world_size, by_id.values())
 
     def ranks(self) -> list[int]:
         return sorted(self.by_rank)
@@ -201,7 +251,103 @@ class ParamIndex:
         return {k: v for k, v in self.__dict__.items() if k != "_planner_cache"}
 
 
-def _layout_key(e: RosterEntry) -> tuple | None:
+def roster_digest(names: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> str:
+    """A content digest of a group's names and global shapes (see ``RosterGroup``)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update("\0".join(names).encode())
+    h.update(msgpack.packb(shapes))  # 7x faster than repr for 70k shapes
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class RosterGroup:
+    """What one rank holds (``role="src"``) or needs (``role="dst"``) of every param it has
+    on one layout (mesh, placements, dtype): the names sorted, with their global shapes.
+
+    A rank reports a few groups instead of one entry per param: the layers of a pipeline
+    stage, or the experts of an EP rank, share a layout. Every rank of a mesh reports the
+    same names, so ``merge_rosters`` compares groups by ``digest`` and reads each distinct
+    group's names once (and checks that its digest matches them), instead of reading every
+    rank's copy of every name: at 1T-parameter scale that is ~140k names, not millions.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    mesh: Any
+    placements: Any
+    role: str  # "src" or "dst"
+    digest: str
+
+    @classmethod
+    def make(cls, names, shapes, dtype, mesh, placements, role) -> RosterGroup:
+        names = tuple(names)
+        shapes = tuple(tuple(int(n) for n in s) for s in shapes)
+        if role not in ("src", "dst"):
+            raise PlanError(f"{names[0] if names else 'roster group'}: role must be 'src' or 'dst', got {role!r}")
+        if len(names) != len(shapes):
+            raise PlanError(f"roster group: {len(names)} names but {len(shapes)} shapes")
+        return cls(names, shapes, dtype, mesh, placements, role, roster_digest(names, shapes))
+
+
+def group_roster(entries: Iterable[RosterEntry | RosterGroup]) -> list[RosterGroup]:
+    """One rank's roster entries as groups, one per (layout, role): what a rank reports.
+
+    Entries whose mesh or placements cannot key a group (an unhashable placement) stay
+    groups of one, so ``merge_rosters`` still names their param when it rejects them.
+    """
+    out: list[RosterGroup] = []
+    by_key: dict[tuple, list[RosterEntry]] = {}
+    for e in entries:
+        if isinstance(e, RosterGroup):
+            out.append(e)
+            continue
+        key = _layout_key(e)
+        if key is None:
+            out.append(RosterGroup.make((e.name,), (e.global_shape,), e.dtype, e.mesh, e.placements, e.role))
+            continue
+        by_key.setdefault((key, e.role), []).append(e)
+    for es in by_key.values():
+        es.sort(key=lambda x: x.name)
+        e0 = es[0]
+        out.append(RosterGroup.make([e.name for e in es], [e.global_shape for e in es], e0.dtype, e0.mesh,
+                                    e0.placements, e0.role))
+    return out
+
+
+def index_digest(world_size: int, groups: Iterable[tuple]) -> str:
+    """The digest of an index given as (src, dsts, names, shapes) groups of params sharing
+    their layouts, however they were grouped: groups with equal layouts are joined, names
+    sorted, and each layout's text is made once."""
+    texts: dict[int, str] = {}
+
+    def text(lay: TensorLayout) -> str:
+        got = texts.get(id(lay))
+        if got is None:
+            got = texts[id(lay)] = repr(lay)
+        return got
+
+    by_value: dict[str, tuple[list, list]] = {}
+    for src, dsts, names, shapes in groups:
+        key = text(src) + "|" + ",".join(map(text, dsts))
+        got = by_value.get(key)
+        if got is None:
+            got = by_value[key] = ([], [])
+        got[0].extend(names)
+        got[1].extend(shapes)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(world_size).encode())
+    for key, (names, shapes) in sorted(by_value.items(), key=lambda kv: min(kv[1][0])):
+        if sorted(names) != names:  # a merge's groups come sorted: checking is one C-level pass
+            order = sorted(range(len(names)), key=names.__getitem__)
+            names, shapes = [names[i] for i in order], [shapes[i] for i in order]
+        h.update(key.encode())
+        h.update("\0".join(names).encode())
+        h.update(msgpack.packb(shapes))
+    return h.hexdigest()
+
+
+def _layout_key(e: RosterEntry | RosterGroup) -> tuple | None:
     """A content key for an entry's (mesh, placements, dtype), or None when it has none."""
     m = e.mesh
     if isinstance(m, np.ndarray):
@@ -219,85 +365,220 @@ def _layout_key(e: RosterEntry) -> tuple | None:
     return (mk, pk, str(e.dtype))
 
 
-def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry]], world_size: int) -> ParamIndex:
+class _NameSet:
+    """One distinct group of names (by role and digest), and every layout reported with it
+    and by whom."""
+
+    __slots__ = ("group", "layouts", "index")
+
+    def __init__(self, group: RosterGroup, index: int):
+        self.group = group
+        self.index = index
+        self.layouts: dict[TensorLayout, list[int]] = {}
+
+
+def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], world_size: int) -> ParamIndex:
     """Check the per-rank rosters against each other and merge them into one spec per param.
 
-    Raises ``PlanError`` / ``LayoutError`` naming the param and the ranks for: a
-    destination that no source holds, a shape mismatch, placements that do not fit the
-    mesh, a mesh rank outside the group, a rank listed twice, a mesh rank that did not
-    report the param, and a rank in two destination layouts of one param.
+    A rank's roster is a list of ``RosterGroup`` (what ranks report) or of ``RosterEntry``
+    (one per param; grouped here first). Raises ``PlanError`` / ``LayoutError`` naming the
+    param and the ranks for: a destination that no source holds, a shape mismatch,
+    placements that do not fit the mesh, a mesh rank outside the group, a rank listed
+    twice, a mesh rank that did not report the param, and a rank in two destination
+    layouts of one param.
+
+    The work follows the distinct groups, not the ranks times their params: each group's
+    names are read once, and params that share every group (the layers of a stage, the
+    experts of an EP rank) share their layouts and their checks.
     """
-    seen: dict[tuple[str, str], dict[TensorLayout, list[int]]] = defaultdict(dict)
-    shapes: dict[str, dict[tuple[int, ...], list[int]]] = defaultdict(dict)
-    # A model's hundreds of thousands of entries repeat a few hundred layouts: build and
-    # check each distinct one once (the first entry that has it is the one an error names).
     made: dict[tuple, TensorLayout] = {}
     valid: set[tuple] = set()
+    sets: dict[tuple[str, str], _NameSet] = {}
+    distinct_shapes: dict[int, dict] = {}
     for rank in sorted(rosters):
         if not 0 <= rank < world_size:
             raise PlanError(f"roster from rank {rank}, outside the process group of world size {world_size}")
-        for e in rosters[rank]:
-            key = _layout_key(e)
+        for grp in group_roster(rosters[rank]):
+            if not grp.names:
+                continue
+            key = _layout_key(grp)
             layout = made.get(key) if key is not None else None
             if layout is None:
-                layout = TensorLayout.make(e.mesh, e.placements, e.dtype, param=e.name)
+                layout = TensorLayout.make(grp.mesh, grp.placements, grp.dtype, param=grp.names[0])
                 if key is not None:
                     made[key] = layout
-            if (e.global_shape, layout) not in valid:
-                validate_layout(
-                    e.global_shape, layout.mesh_shape, layout.placements,
-                    param=f"{e.name} ({e.role} on rank {rank})", world_size=world_size, mesh_ranks=layout.mesh_ranks,
-                )
-                valid.add((e.global_shape, layout))
+            ns = sets.get((grp.role, grp.digest))
+            if ns is None:
+                if roster_digest(grp.names, grp.shapes) != grp.digest:
+                    raise PlanError(f"{grp.names[0]}: rank {rank}'s roster group does not match its digest")
+                ns = sets[(grp.role, grp.digest)] = _NameSet(grp, len(sets))
+            reporters = ns.layouts.get(layout)
+            if reporters is None:
+                reporters = ns.layouts[layout] = []
+                shapes = distinct_shapes.get(ns.index)
+                if shapes is None:
+                    # each distinct shape with the first name having it (the later writes win)
+                    shapes = distinct_shapes[ns.index] = dict(zip(ns.group.shapes[::-1], ns.group.names[::-1]))
+                for shape, name in shapes.items():
+                    if (shape, layout) not in valid:
+                        validate_layout(
+                            shape, layout.mesh_shape, layout.placements,
+                            param=f"{name} ({grp.role} on rank {rank})", world_size=world_size,
+                            mesh_ranks=layout.mesh_ranks,
+                        )
+                        valid.add((shape, layout))
             if layout.coords(rank) is None:
                 raise PlanError(
-                    f"{e.name}: rank {rank} reported a {e.role} layout whose mesh {list(layout.mesh_ranks)} "
+                    f"{grp.names[0]}: rank {rank} reported a {grp.role} layout whose mesh {list(layout.mesh_ranks)} "
                     "does not contain it"
                 )
-            seen[(e.name, e.role)].setdefault(layout, []).append(rank)
-            shapes[e.name].setdefault(tuple(e.global_shape), []).append(rank)
-    for name, by_shape in shapes.items():
-        if len(by_shape) > 1:
-            parts = "; ".join(f"{list(s)} on ranks {r}" for s, r in by_shape.items())
-            raise PlanError(f"{name}: global shape mismatch: {parts}")
-    specs: dict[str, ParamSpec] = {}
-    by_rank: dict[int, set[str]] = defaultdict(set)
-    names = sorted({n for n, _ in seen})
-    for name in names:
-        shape = next(iter(shapes[name]))
-        layouts = {}
-        for role in ("src", "dst"):
-            layouts[role] = seen.get((name, role), {})
-            if role == "src" and len(layouts[role]) > 1:
-                parts = "; ".join(f"{lay.describe()} on ranks {sorted(rs)}" for lay, rs in layouts[role].items())
-                raise PlanError(f"{name}: source ranks disagree on the layout: {parts}")
-            claimed: dict[int, TensorLayout] = {}
-            for layout, reporters in layouts[role].items():
-                missing = sorted(set(layout.mesh_ranks) - set(reporters))
-                if missing:
-                    raise PlanError(
-                        f"{name}: {role} ranks {missing} are in mesh {list(layout.mesh_ranks)} "
-                        f"reported by ranks {sorted(reporters)} but did not report that layout"
-                    )
-                for r in layout.mesh_ranks:
-                    if r in claimed:
-                        raise PlanError(
-                            f"{name}: rank {r} is in two {role} layouts ({claimed[r].describe()} and "
-                            f"{layout.describe()}); a rank holds one local tensor per param and side"
-                        )
-                    claimed[r] = layout
-        if not layouts["src"]:
-            if layouts["dst"]:
-                needers = sorted(r for lay in layouts["dst"] for r in lay.mesh_ranks)
-                raise PlanError(f"{name}: destination ranks {needers} need this param but no source rank holds it")
+            reporters.append(rank)
+    namesets = list(sets.values())
+    sigs = _one_source_one_destination(namesets)
+    if sigs is None:
+        sigs = _signatures(namesets)
+    digest_groups: list[tuple] = []
+    rank_sigs: dict[int, list[int]] = defaultdict(list)
+    sig_names: list[Sequence[str]] = []
+    for names, shapes, groups in sigs:
+        src, dsts = _signature_layouts(groups, min(names))
+        if src is None:
             continue
-        src = next(iter(layouts["src"]))
-        dsts = tuple(sorted(layouts["dst"], key=lambda lay: (min(lay.mesh_ranks), lay.mesh_ranks)))
-        specs[name] = ParamSpec(name, shape, src, dsts)
+        k = len(sig_names)
+        sig_names.append(names)
         for lay in (src, *dsts):
             for r in lay.mesh_ranks:
-                by_rank[r].add(name)
-    return ParamIndex(world_size, specs, {r: sorted(ns) for r, ns in by_rank.items()})
+                rank_sigs[r].append(k)
+        digest_groups.append((src, dsts, names, shapes))
+    by_rank: dict[int, list[str]] = {}
+    lists: dict[tuple[int, ...], list[str]] = {}  # ranks of one mesh share one list
+    for r in sorted(rank_sigs):
+        ks = tuple(sorted(set(rank_sigs[r])))
+        got = lists.get(ks)
+        if got is None:
+            got = lists[ks] = sorted(itertools.chain.from_iterable(sig_names[k] for k in ks))
+        by_rank[r] = got
+    index = ParamIndex(world_size, SpecTable(digest_groups), by_rank)
+    index.__dict__["digest"] = index_digest(world_size, digest_groups)  # the groups are at hand here
+    return index
+
+
+Signature = tuple[Sequence[str], Sequence[tuple[int, ...]], list[_NameSet]]
+
+
+def _one_source_one_destination(namesets: list[_NameSet]) -> list[Signature] | None:
+    """The params of each distinct combination of groups, when every param is in one source
+    group and at most one destination group (how ranks that group by layout report a model:
+    the replicas of one engine layout report one group, the same names); else None.
+
+    Works a group at a time with C-level maps over its names. Anything unusual (a name in
+    two groups of a side, a shape that differs, a destination no source holds) falls back
+    to ``_signatures``, which finds and names it."""
+    srcs = [ns for ns in namesets if ns.group.role == "src"]
+    dsts = [ns for ns in namesets if ns.group.role == "dst"]
+    src_of: dict[str, int] = {}
+    for ns in srcs:
+        src_of.update(dict.fromkeys(ns.group.names, ns.index))
+    if len(src_of) != sum(len(ns.group.names) for ns in srcs):
+        return None
+    dst_of: dict[str, int] = {}
+    dst_shape: dict[str, tuple[int, ...]] = {}
+    for ns in dsts:
+        dst_of.update(dict.fromkeys(ns.group.names, ns.index))
+        dst_shape.update(zip(ns.group.names, ns.group.shapes))
+    if len(dst_of) != sum(len(ns.group.names) for ns in dsts) or not dst_of.keys() <= src_of.keys():
+        return None
+    out: list[Signature] = []
+    for ns in srcs:
+        names, shapes = ns.group.names, ns.group.shapes
+        if list(map(dst_shape.get, names, shapes)) != list(shapes):
+            return None
+        ids = list(map(dst_of.get, names))
+        distinct = set(ids)
+        if len(distinct) == 1:
+            out.append((names, shapes, _with(namesets, ns, ids[0])))
+            continue
+        for d in sorted(distinct, key=lambda x: -1 if x is None else x):
+            keep = list(map(operator.eq, ids, itertools.repeat(d)))
+            out.append((list(itertools.compress(names, keep)), list(itertools.compress(shapes, keep)),
+                        _with(namesets, ns, d)))
+    return out
+
+
+def _with(namesets: list[_NameSet], src: _NameSet, dst: int | None) -> list[_NameSet]:
+    return [src] if dst is None else [src, namesets[dst]]
+
+
+def _signatures(namesets: list[_NameSet]) -> list[Signature]:
+    """The params of each distinct combination of groups, name by name (the general case);
+    raises ``PlanError`` for a param reported with two global shapes."""
+    member: dict[str, list[int]] = {}
+    shape_of: dict[str, tuple[int, ...]] = {}
+    mismatched: list[str] = []
+    for ns in namesets:
+        i = ns.index
+        for name, shape in zip(ns.group.names, ns.group.shapes):
+            got = member.get(name)
+            if got is None:
+                member[name] = [i]
+                shape_of[name] = shape
+            else:
+                got.append(i)
+                if shape != shape_of[name]:
+                    mismatched.append(name)
+    for name in sorted(mismatched)[:1]:
+        by_shape: dict[tuple[int, ...], set[int]] = {}
+        for i in member[name]:
+            ns = namesets[i]
+            shape = ns.group.shapes[ns.group.names.index(name)]
+            for rs in ns.layouts.values():
+                by_shape.setdefault(shape, set()).update(rs)
+        ordered = sorted(by_shape.items(), key=lambda x: min(x[1]))
+        parts = "; ".join(f"{list(s)} on ranks {sorted(r)}" for s, r in ordered)
+        raise PlanError(f"{name}: global shape mismatch: {parts}")
+    by_sig: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for name, ids in member.items():
+        by_sig[tuple(ids)].append(name)
+    return [(names, [shape_of[n] for n in names], [namesets[i] for i in sig])
+            for sig, names in sorted(by_sig.items(), key=lambda x: min(x[1]))]
+
+
+def _signature_layouts(groups: list[_NameSet], first: str):
+    """The source layout and destination layouts shared by ``names`` (params reported in
+    exactly ``groups``; ``first`` names them in errors), after the checks of ``merge_rosters``;
+    (None, ()) for params no rank holds as a source and none needs."""
+    layouts: dict[str, dict[TensorLayout, set[int]]] = {"src": {}, "dst": {}}
+    for ns in groups:
+        per_role = layouts[ns.group.role]
+        for lay, rs in ns.layouts.items():
+            per_role.setdefault(lay, set()).update(rs)
+    for role in ("src", "dst"):
+        if role == "src" and len(layouts[role]) > 1:
+            parts = "; ".join(f"{lay.describe()} on ranks {sorted(rs)}" for lay, rs in layouts[role].items())
+            raise PlanError(f"{first}: source ranks disagree on the layout: {parts}")
+        claimed: dict[int, TensorLayout] = {}
+        for layout, reporters in layouts[role].items():
+            missing = sorted(set(layout.mesh_ranks) - reporters)
+            if missing:
+                raise PlanError(
+                    f"{first}: {role} ranks {missing} are in mesh {list(layout.mesh_ranks)} "
+                    f"reported by ranks {sorted(reporters)} but did not report that layout"
+                )
+            for r in layout.mesh_ranks:
+                if r in claimed:
+                    raise PlanError(
+                        f"{first}: rank {r} is in two {role} layouts ({claimed[r].describe()} and "
+                        f"{layout.describe()}); a rank holds one local tensor per param and side"
+                    )
+                claimed[r] = layout
+    if not layouts["src"]:
+        if layouts["dst"]:
+            needers = sorted(r for lay in layouts["dst"] for r in lay.mesh_ranks)
+            raise PlanError(f"{first}: destination ranks {needers} need this param but no source rank holds it")
+        return None, ()
+    src = next(iter(layouts["src"]))
+    dsts = tuple(sorted(layouts["dst"], key=lambda lay: (min(lay.mesh_ranks), lay.mesh_ranks)))
+    return src, dsts
 
 
 def source_shards(spec: ParamSpec) -> list[tuple[int, Region]]:

@@ -48,14 +48,16 @@ class PlanStats:
 
 
 class PlannedBlock:
-    """A planned block in rank-relative form: its box, its task-id suffix, whether it can skip staging."""
+    """A planned block in rank-relative form: its box, its task-id suffix, whether it can skip
+    staging, and its element count (every op instantiated from it needs its bytes)."""
 
-    __slots__ = ("box", "key", "direct")
+    __slots__ = ("box", "key", "direct", "numel")
 
     def __init__(self, box: Box, direct: bool):
         self.box = box
         self.key = f"|{tuple(box.start)}|{tuple(box.shape)}".encode()
         self.direct = direct
+        self.numel = math.prod(box.shape)
 
 
 _REPLICATION: dict[tuple, int] = {}
@@ -78,6 +80,19 @@ def window(offset: int, total: int, k: int, rot: int) -> int:
     single consumer.
     """
     return ((offset * k) // total + rot) % k
+
+
+def serving_replica(offset: int, nbytes: int, total: int, k: int, n: int, pos: int) -> int:
+    """Which of ``k`` replicas serves a consumer's ``nbytes`` at ``offset`` of a shard's
+    ``total``, for the param at ``pos`` of the ``n`` params sharing its shape and layouts.
+
+    Those params' consumer bytes are laid end to end consumer by consumer (each consumer's
+    bytes of every param, then the next consumer's), and the replicas take contiguous
+    windows of that stream. So a consumer is served by the same replica for the whole
+    group of params (one or two peers per replica set, not one per param), and each
+    replica's share of the group is within one param's consumer bytes of the mean.
+    """
+    return ((n * offset + pos * nbytes) * k) // (n * total)
 
 
 def rotation(name: str, salt: bytes = b"") -> int:
@@ -177,14 +192,15 @@ class LocalCopy(NamedTuple):
 
 
 class Receive(NamedTuple):
-    """Blocks a destination rank receives from one source shard, served by the replica whose
-    byte window holds ``offset`` (of ``total``) after the param's rotation."""
+    """Blocks a destination rank receives from one source shard: ``nbytes`` at ``offset`` of
+    the shard's ``total`` consumer bytes (see ``serving_replica`` for which replica sends them)."""
 
     replicas: list[int]
     offset: int
     total: int
     dst_index: int
     blocks: list[PlannedBlock]
+    nbytes: int
 
 
 class StripeReceive(NamedTuple):
@@ -219,6 +235,21 @@ class Template:
     fan: FanIn | None = None
     windows: dict[int, list[int]] = field(default_factory=dict)  # rotation -> indices of my units
     unit_blocks: dict[int, list[PlannedBlock]] = field(default_factory=dict)
+
+    def serves(self, n: int, pos: int) -> list[int]:
+        """Indices of my units for the param at ``pos`` of ``n`` sharing this form's shape and
+        layouts: those ``serving_replica`` gives to me (a bisection: stream offsets grow with the unit)."""
+        if n == 1:
+            return self.mine(0)
+        k, w, total, units = self.src.replicas, self.src.replica_index, self.src.total, self.src.units
+        whole = n * total
+
+        def at(u: Unit) -> int:
+            return n * u.offset + pos * u.nbytes
+
+        lo = bisect.bisect_left(units, -(-w * whole // k), key=at)
+        hi = bisect.bisect_left(units, -(-(w + 1) * whole // k), key=at)
+        return [i for i in range(lo, hi) if units[i].nbytes]
 
     def mine(self, rot: int) -> list[int]:
         """Indices of the units in my byte window, for one rotation."""
@@ -493,7 +524,8 @@ class FormPlanner:
                     off, total = consumers.offset_of[c], consumers.total
                 else:
                     off, total = self._plain_offset(key, g, c, stats)
-                t.recv.append(Receive(replicas, off, total, g, self.blocks(g, src_region, my_region)))
+                nbytes = region_overlap_numel(src_region, my_region) * self.witem[g]
+                t.recv.append(Receive(replicas, off, total, g, self.blocks(g, src_region, my_region), nbytes))
         self._templates[c] = t
         return t
 

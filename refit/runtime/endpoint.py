@@ -35,7 +35,17 @@ from refit.layout import (
     DTensorRef,
     dtype_name,
 )
-from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, PlanCache, RosterEntry, TensorLayout, check_local_shapes
+from refit.plan import (
+    DEFAULT_BUCKET_BYTES,
+    ParamIndex,
+    PlanCache,
+    RosterEntry,
+    RosterGroup,
+    TensorLayout,
+    check_local_shapes,
+    group_roster,
+)
+from refit.runtime.handles import listening_sockets
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
@@ -303,7 +313,7 @@ class _RefitEndpoint:
         host = host or "127.0.0.1"
         return host, free_port("" if host != "127.0.0.1" else host)
 
-    def refit_connect(self, spec: ConnectSpec) -> list[RosterEntry]:
+    def refit_connect(self, spec: ConnectSpec) -> list[RosterGroup]:
         """Join the communicator of build ``spec.epoch`` and report what this rank holds or needs.
 
         The old communicator is aborted first. The rank joins before it inspects its own
@@ -340,7 +350,7 @@ class _RefitEndpoint:
                 self._refit_drop_group()
                 raise
 
-    def _refit_roster(self, spec: ConnectSpec, shards: Mapping[str, LocalShard]) -> list[RosterEntry]:
+    def _refit_roster(self, spec: ConnectSpec, shards: Mapping[str, LocalShard]) -> list[RosterGroup]:
         st = self._refit_state()
         entries = []
         for name, shard in sorted(shards.items()):
@@ -361,7 +371,7 @@ class _RefitEndpoint:
             st.layouts[name] = (tuple(shard.tensor.shape), dt)
             entries.append(RosterEntry.make(name, shard.global_shape, dt, mesh, shard.placements, self._refit_role))
         st.shards = dict(shards)
-        return entries
+        return group_roster(entries)  # one entry per layout: the controller reads each distinct group once
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto") -> dict:
@@ -910,26 +920,7 @@ def process_resources() -> dict:
         fds = os.listdir("/proc/self/fd")
         out["fds"] = len(fds)
         out["threads"] = len(os.listdir("/proc/self/task"))
-        inodes = set()
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-        ports = []
-        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-            try:
-                with open(table) as f:
-                    next(f)
-                    for line in f:
-                        parts = line.split()
-                        if parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
-                            ports.append(int(parts[1].rsplit(":", 1)[1], 16))
-            except OSError:
-                continue
-        out["listening_ports"] = sorted(ports)
+        out["listening_ports"] = sorted(port for _, port in listening_sockets())
     except OSError:
         out.update(fds=-1, threads=threading.active_count(), listening_ports=[])
     return out

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 from refit.errors import RefitError
 
 __all__ = ["FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle", "WorkerTimeout",
-           "pid_alive", "sendable_error"]
+           "listening_sockets", "pid_alive", "sendable_error"]
 
 
 class WorkerDied(RefitError):
@@ -225,6 +226,40 @@ def _stat_fields(pid: int) -> list[str] | None:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket process ``pid`` listens on (Linux ``/proc``).
+
+    One reader for the leak checks (ports a worker still holds) and for the checks of where
+    a rendezvous binds (addresses): both match the process's socket inodes against the
+    kernel's tables. A table that cannot be read counts as empty.
+    """
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] != "0A" or parts[9] not in inodes:  # 0A: LISTEN
+                        continue
+                    hex_addr, hex_port = parts[1].split(":")
+                    raw = bytes.fromhex(hex_addr)
+                    # IPv4: one little-endian word; IPv6: four of them
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    out.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
+        except OSError:
+            continue
+    return out
 
 
 def pid_alive(pid: int) -> bool:

@@ -91,7 +91,8 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
     bound_s = refit_timeout_s + sync.settle_budget_s()
     fig: dict[str, Any] = {"seed": seed, "kills": 0, "syncs": 0, "verified": 0, "raised": 0, "readmitted": 0,
                            "kills_by_mode": dict.fromkeys(MODES, 0), "kills_by_phase": {}, "errors": [],
-                           "unnamed_errors": [], "wrong_weights": [], "slow_errors": [], "max_error_s": 0.0,
+                           "unnamed_errors": [], "wrong_weights": [], "slow_errors": [], "torn_reported_healthy": [],
+                           "torn_named": 0, "max_error_s": 0.0,
                            "max_verified_s": 0.0, "bound_s": bound_s, "timeout_s": refit_timeout_s}
     step = 0
 
@@ -104,6 +105,34 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                  if not es[s][w].is_dead()}  # one killed after its sync verified it has nothing to show
         return {k: bad for k, f in calls.items() if (bad := f.result(60))}
 
+    held: dict[tuple[int, int], tuple[Any, int]] = {}  # (shard, worker) -> (its handle, the step it holds whole)
+
+    def audit_torn() -> None:
+        """Every live engine worker that says its weights are consistent holds one step whole.
+
+        Run after every sync, verified or not: a torn engine reported healthy is the failure
+        this guards against. A worker counts once it held a verified step (a fresh process
+        holds nothing yet).
+        """
+        asked = {}
+        for s, ws in enumerate(es):
+            for w, h in enumerate(ws):
+                if not h.is_dead() and held.get((s, w), (None,))[0] is h:
+                    asked[(s, w)] = (h.call("refit_weights_state"), h.call("check_weights", step),
+                                     h.call("check_weights", held[(s, w)][1]))
+        for (s, w), (state, now, before) in asked.items():
+            try:
+                consistent, new_bad, old_bad = state.result(10)["consistent"], now.result(10), before.result(10)
+            except Exception:  # noqa: BLE001 - killed since: it serves nothing
+                continue
+            if not consistent:
+                fig["torn_named"] += 1
+            elif not new_bad:
+                held[(s, w)] = (es[s][w], step)
+            elif old_bad:
+                fig["torn_reported_healthy"].append({"step": step, "worker": f"shard {s} worker {w}",
+                                                     "wrong": new_bad[:4]})
+
     def kill(target: tuple[int, int]) -> None:
         s, w = target
         es[s][w].kill()
@@ -113,6 +142,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
         step += 1
         set_step(step)
         sync.sync_weights()
+        held.update({(s, w): (h, step) for s, ws in enumerate(es) for w, h in enumerate(ws)})
         watched = list(ts)  # never killed: what they hold after the cycles is what the cycles left
         baseline = _resources(watched)
         processes_before = len(_descendants(os.getpid()))
@@ -162,6 +192,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                 else:
                     fig["verified"] += 1
                     fig["readmitted"] += len([s for s in healed if s in res.shards])
+                    held.update({(s, w): (es[s][w], step) for s in res.shards for w in range(sizes[s])})
                 fig["max_verified_s"] = max(fig["max_verified_s"], elapsed)
                 outcome = f"verified over {res.shards} in {elapsed:.2f}s"
             else:
@@ -179,6 +210,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                 fig["kills_by_phase"][phase] = fig["kills_by_phase"].get(phase, 0) + 1
             fig["kills"] += len(killer.fired)
             fig["kills_by_mode"][mode] += len(killer.fired)
+            audit_torn()
             say(f"cycle: {mode} kill(s) {killer.fired} -> {outcome}")
             for s, fut in spawned.items():
                 if any(t[0] == s for t in killer.fired):

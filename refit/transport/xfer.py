@@ -38,6 +38,7 @@ from refit.plan import (
     TensorLayout,
     build_rank_plan,
     check_local_shapes,
+    group_roster,
     merge_rosters,
 )
 from refit.transport.base import TransferStats, device_of
@@ -230,7 +231,7 @@ class Resharder:
                     local_shapes[role][name] = tuple(local_tensor_of(t).shape)
         except (TypeError, ValueError, RefitError) as e:
             error = f"rank {self.comm.rank}: {e}"
-        gathered = self.comm.all_gather_object((entries, local_shapes, error))
+        gathered = self.comm.all_gather_object((group_roster(entries), local_shapes, error))
         errors = [err for _, _, err in gathered if err]
         if errors:
             raise PlanError("; ".join(errors))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,10 +15,11 @@ from hypothesis import strategies as st
 
 from refit import Replicate, Shard
 from refit.cli import main
-from refit.cli.sim import Topology, balance, lower_bound, simulate, traffic_of
+from refit.cli.sim import NCCL, NIXL, Topology, balance, connection_costs, lower_bound, simulate, traffic_of
 from refit.plan import build_rank_plan, merge_rosters
 
-TOPO = Topology(gpus_per_node=4, nvlink_gbps=400.0, nic_gbps=50.0, latency_us=0.0)  # 8 ranks: two nodes
+# 8 ranks on two nodes; bandwidth alone (no per-message cost), to hold plans to the bandwidth bound
+TOPO = Topology(gpus_per_node=4, nvlink_gbps=400.0, nic_gbps=50.0, latency_us=0.0, message_us=0.0)
 
 
 def _traffic(index, topo=TOPO, **kw):
@@ -47,8 +49,10 @@ def test_simulated_time_of_a_broadcast_by_hand():
     assert t0.ports[0]["nvl_out"] == nbytes and t0.ports[0]["nic_out"] == 2 * nbytes
     assert traffic[4].ports[0]["nic_in"] == nbytes and traffic[5].ports[0]["nic_in"] == nbytes // 2
     sim = simulate(traffic, topo)
-    # rank 0's NIC is the busiest port: 2 x 8 MiB at 50 GB/s, plus one round of direct buckets
-    assert sim.seconds == pytest.approx(2 * nbytes / 50e9 + 10e-6)
+    # rank 0's NIC is the busiest port: 2 x 8 MiB at 50 GB/s, its four messages (one per peer)
+    # at 15 us each, plus one round of direct buckets
+    assert sim.seconds == pytest.approx(2 * nbytes / 50e9 + 4 * 15e-6 + 10e-6)
+    assert t0.peers == 4 and traffic[5].peers == 1
     assert sim.phases[0].bottleneck_rank == 0 and sim.phases[0].bottleneck_port == "nic_out"
     bound = lower_bound(index, topo)
     assert bound.seconds == pytest.approx(2 * nbytes / 50e9)  # a single holder owes both NIC copies
@@ -57,6 +61,22 @@ def test_simulated_time_of_a_broadcast_by_hand():
     relay = lower_bound(index, topo, relay=True)
     assert relay.seconds == pytest.approx(nbytes / (4 * 50e9))
     assert relay.binding.startswith("node_ingress")
+
+
+def test_messages_and_connections_cost_time():
+    """Many small buckets cost their fixed overhead; every peer costs a connection."""
+    shape = (64, 64)  # float32: 16 KiB, cut into 16 buckets of 1 KiB to one peer
+    params = [("w", shape, ([0], [Replicate()], "float32"), [([4], [Replicate()], "float32")])]
+    index = merge_rosters(rosters_for(params, 8), 8)
+    topo = Topology(gpus_per_node=4, nvlink_gbps=400.0, nic_gbps=50.0, latency_us=0.0, message_us=20.0)
+    traffic = [traffic_of(build_rank_plan(index, r, bucket_bytes=1024), topo) for r in range(8)]
+    assert traffic[0].buckets[0] == 16 and traffic[0].peers == 1
+    sim = simulate(traffic, topo)
+    assert sim.seconds == pytest.approx(64 * 64 * 4 / 50e9 + 16 * 20e-6)
+    assert sim.seconds > lower_bound(index, topo).seconds  # the bound stays bandwidth alone
+    nccl, nixl = connection_costs([t.peers for t in traffic], NCCL), connection_costs([3, 1], NIXL)
+    assert nccl["max_peers"] == 1 and nccl["setup_seconds"] == NCCL.setup_s and nccl["memory_bytes"] == 16 << 20
+    assert nixl["setup_seconds"] == pytest.approx(3 * NIXL.setup_s) and nixl["memory_bytes"] == 0
 
 
 def test_balance():
@@ -132,6 +152,32 @@ def test_cli_json_report(capsys):
     assert fan["bytes_from_sources"] <= plain["bytes_from_sources"] / 4
     assert fan["simulated"]["seconds"] < plain["simulated"]["seconds"]
     assert report["scaling"][0]["engine_ranks"] == 8
+    # rosters as ranks report them (groups), merged as the controller does, then one rank's plan
+    ix, rp = report["index"], report["rosters_to_plan"]
+    assert ix["roster_format"] == "groups" and ix["distinct_names"] < ix["roster_names"]
+    assert rp["seconds"] == pytest.approx(rp["merge_seconds"] + rp["plan_seconds"])
+    for v in by.values():
+        assert v["peers"]["trainer"]["max"] >= 1 and v["peers"]["generation"]["max"] >= 1
+        nccl = v["rebuild"]["by_transport"]["nccl"]
+        assert nccl["seconds"] == pytest.approx(v["rebuild"]["merge_seconds"] + v["rebuild"]["plan_seconds"]
+                                                + nccl["connect_seconds"])
+    assert plain["peers"]["generation"]["max"] <= fan["peers"]["generation"]["max"]
+
+
+def test_receivers_traffic_from_their_senders_equals_their_own_plans(monkeypatch):
+    """Above LARGE_WORLD a plain plan's receivers are not planned: their traffic comes from
+    their senders' buckets, and equals what their own plans give."""
+    from refit.cli import plan_report
+    from refit.models import build_index, get_model, parse_engine, parse_train
+
+    model = dataclasses.replace(get_model("qwen3-235b-a22b"), num_layers=3)
+    index = build_index(model, parse_train("tp=2,pp=1,ep=4,etp=1", world=4), parse_engine("tp=2,ep=4", world=4))
+    full = plan_report.plan_all(index, TOPO, True, bucket_bytes=1 << 20)
+    monkeypatch.setattr(plan_report, "LARGE_WORLD", 0)
+    mirrored = plan_report.plan_all(index, TOPO, True, bucket_bytes=1 << 20)
+    assert mirrored["receivers_from_senders"] == 4 and mirrored["consistent"] is True
+    for a, b in zip(full["traffic"], mirrored["traffic"]):
+        assert (a.ports, a.rounds, a.buckets, a.peers) == (b.ports, b.rounds, b.buckets, b.peers)
 
 
 def test_cli_one_rank_and_text(capsys):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import tempfile
+import threading
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_conns
 
@@ -21,10 +21,11 @@ from helpers import rendezvous_jobs
 
 from refit import Replicate, Shard
 from refit.comm import wire
-from refit.comm.group import free_port
+from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import RendezvousTampered, SealedStore, new_secret, resolve_secret
 from refit.layout import StridedShard
 from refit.plan import RosterEntry
+from refit.runtime.handles import listening_sockets
 
 
 class _Payload:
@@ -83,36 +84,57 @@ def _stranger(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10), wait_for_workers=False)
 
 
+def _rank_in_thread(rank: int, port: int, secret: bytes | None, out: dict) -> threading.Thread:
+    """A rank in a thread of this process: a stranger's code that ran would run here, where the test looks."""
+
+    def run():
+        try:
+            out[rank] = StatelessProcessGroup("127.0.0.1", port, rank, 2, timeout_s=5, secret=secret)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out[rank] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _two_ranks(secret: bytes | None):
+    port, out = free_port(), {}
+    for t in [_rank_in_thread(r, port, secret, out) for r in (0, 1)]:
+        t.join(60)
+    assert all(isinstance(out.get(r), StatelessProcessGroup) for r in (0, 1)), out
+    return port, out[0], out[1]
+
+
 @pytest.mark.parametrize("secret", [True, False], ids=["sealed", "no-secret"])
 def test_a_stranger_cannot_make_a_rank_run_code_or_take_a_value(secret):
-    ranks = _Ranks(new_secret() if secret else None)
+    port, rank0, rank1 = _two_ranks(new_secret() if secret else None)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             marker = os.path.join(tmp, "ran")
-            stranger = _stranger(ranks.port)
+            stranger = _stranger(port)
             # rank 1's next value, published before rank 1 writes it: rank 0 reads it first
             stranger.set("refit/ago/1/1", pickle.dumps(_Payload(marker)))
-            got = ranks.go(ranks=(0,))[0]
-            assert got[0] == "error", got
-            if secret:
-                assert "RendezvousTampered" in got[1] and "refit/ago/1/1" in got[1]
-            else:
-                assert "WireFormatError" in got[1]
+            expected = RendezvousTampered if secret else wire.WireFormatError
+            with pytest.raises(expected, match="refit/ago/1/1" if secret else "not a value"):
+                rank0.all_gather_object({"rank": 0})
             assert not os.path.exists(marker), "a rank unpickled a stranger's value"
     finally:
-        ranks.close()
+        rank0.abort()
+        rank1.abort()
 
 
 def test_a_stranger_cannot_forge_a_value_in_the_format_without_the_secret():
-    ranks = _Ranks(new_secret())
+    port, rank0, rank1 = _two_ranks(new_secret())
     try:
         forged = wire.pack({"rank": 1})
-        stranger = _stranger(ranks.port)
+        stranger = _stranger(port)
         stranger.set("refit/ago/1/1", b"\0" * 32 + forged)  # well-formed data, a MAC it could not compute
-        got = ranks.go(ranks=(0,))[0]
-        assert got[0] == "error" and "RendezvousTampered" in got[1], got
+        with pytest.raises(RendezvousTampered):
+            rank0.all_gather_object({"rank": 0})
     finally:
-        ranks.close()
+        rank0.abort()
+        rank1.abort()
 
 
 def test_sealed_ranks_exchange_and_listen_on_loopback_only():
@@ -120,7 +142,7 @@ def test_sealed_ranks_exchange_and_listen_on_loopback_only():
     try:
         got = ranks.go()
         assert all(g == ("gathered", [{"rank": 0}, {"rank": 1}]) for g in got.values()), got
-        listening = {pid: _listening_addresses(pid) for pid in ranks.pids}
+        listening = {pid: listening_sockets(pid) for pid in ranks.pids}
         assert ranks.port in {port for addrs in listening.values() for _, port in addrs}
         for pid, addrs in listening.items():
             assert addrs, f"rank process {pid} listens on nothing (store and gloo pairs expected)"
@@ -128,35 +150,6 @@ def test_sealed_ranks_exchange_and_listen_on_loopback_only():
             assert not wide, f"rank process {pid} listens beyond loopback: {wide}"
     finally:
         ranks.close()
-
-
-def _listening_addresses(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket that process ``pid`` listens on, from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                local, state, inode = parts[1], parts[3], parts[9]
-                if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                    continue
-                hex_addr, hex_port = local.split(":")
-                raw = bytes.fromhex(hex_addr)
-                if family == socket.AF_INET:
-                    raw = raw[::-1]
-                else:  # four little-endian 32-bit words
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                out.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
-    return out
 
 
 def test_sealed_store_refuses_values_moved_between_keys():

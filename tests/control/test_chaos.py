@@ -2,7 +2,8 @@
 
 CI runs a few cycles; ``REFIT_CHAOS_KILLS=200`` (and ``REFIT_CHAOS_SEED``) runs the figures'
 run. Every sync verifies exact weights or raises, within the refit deadline plus the settle
-budget, an error naming a killed worker; killed shards are replaced and re-admitted; the
+budget, an error naming a killed worker; no live engine worker that reports its weights
+consistent holds a mix of steps; killed shards are replaced and re-admitted; the
 trainers hold no more fds, threads or listening ports at the end than after the first sync.
 """
 
@@ -14,7 +15,7 @@ import pytest
 
 from refit.testing.chaos import run_chaos
 
-KILLS = int(os.environ.get("REFIT_CHAOS_KILLS", "10"))
+KILLS = int(os.environ.get("REFIT_CHAOS_KILLS", "8"))
 SEED = int(os.environ.get("REFIT_CHAOS_SEED", random.randrange(1 << 30)))
 
 
@@ -29,6 +30,7 @@ def test_random_kills_inside_rebuilds_and_transfers_verify_or_name_the_dead_in_b
     assert fig["kills"] >= KILLS
     assert fig["unnamed_errors"] == [], fig["unnamed_errors"]
     assert fig["wrong_weights"] == [], fig["wrong_weights"]
+    assert fig["torn_reported_healthy"] == [], fig["torn_reported_healthy"]
     assert fig["slow_errors"] == [], (fig["slow_errors"], fig["bound_s"])
     assert fig["verified"] + fig["raised"] == fig["syncs"] and fig["verified"] > 0
     assert fig["readmitted"] > 0 and fig["final_verified"]

@@ -39,6 +39,19 @@ def scenarios(draw):
     return params
 
 
+def with_shared_layouts(params):
+    """``params`` plus copies sharing each one's layouts (the layers of a stage), so that
+    params share rosters groups and the planner's per-group replica windows, and some share
+    only part of their destinations."""
+    out = list(params)
+    for name, shape, src, dsts in params:
+        out.append((name + ".again", shape, src, dsts))
+        out.append((name + ".third", shape, src, dsts))
+        if len(dsts) > 1:
+            out.append((name + ".fewer", shape, src, dsts[:1]))
+    return out
+
+
 def all_plans(index, bucket_bytes=64):
     return {r: build_rank_plan(index, r, bucket_bytes=bucket_bytes) for r in range(index.world_size)}
 

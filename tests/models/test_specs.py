@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+from helpers.tiny_models import tiny_gqa, tiny_moe
 
 from refit import LayoutError, Replicate, Shard
 from refit.models import (
@@ -18,7 +19,6 @@ from refit.models import (
     parse_train,
 )
 from refit.models.parallel import LayoutBuilder, node_map
-from refit.models.specs import ModelSpec
 from refit.plan import merge_rosters
 
 
@@ -114,22 +114,6 @@ def test_layout_strings():
         build_index(MODELS["kimi-k2"], parse_train("tp=8,pp=8,ep=256,etp=1", world=2048), parse_engine("tp=8"))
     with pytest.raises(LayoutError, match="key/value heads"):
         build_index(MODELS["llama3-8b"], parse_train("tp=1"), parse_engine("tp=3"))
-
-
-def tiny_moe(**kw) -> ModelSpec:
-    base = dict(name="tiny-mla-moe", vocab_size=24, hidden_size=8, num_layers=3, num_heads=4, num_kv_heads=4,
-                head_dim=2, intermediate_size=12, num_experts=8, moe_intermediate_size=4, num_shared_experts=1,
-                first_dense_layers=1, router_bias=True, q_lora_rank=6, kv_lora_rank=4, qk_nope_head_dim=2,
-                qk_rope_head_dim=2, v_head_dim=2, num_mtp_layers=1)
-    base.update(kw)
-    return ModelSpec(**base)
-
-
-def tiny_gqa(**kw) -> ModelSpec:
-    base = dict(name="tiny-gqa", vocab_size=20, hidden_size=8, num_layers=4, num_heads=4, num_kv_heads=2,
-                head_dim=2, intermediate_size=12, qk_norm=True)
-    base.update(kw)
-    return ModelSpec(**base)
 
 
 @pytest.mark.parametrize("model, train, engine", [

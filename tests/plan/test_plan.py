@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 from helpers.layouts import rosters_for
-from helpers.plans import WORLD, all_plans, check_exact_coverage, check_matching, scenarios
+from helpers.plans import WORLD, all_plans, check_exact_coverage, check_matching, scenarios, with_shared_layouts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,26 +70,64 @@ def test_replicas_share_the_sending_load():
     assert min(sent) > 0
 
 
+def _groups(index):
+    """Params sharing shape and layouts: the planner lays their bytes end to end."""
+    out = defaultdict(list)
+    for spec in index.specs.values():
+        out[(spec.shape, spec.src, spec.dsts)].append(spec.name)
+    return out
+
+
 @settings(max_examples=60, deadline=None)
-@given(scenarios())
-def test_load_bound_holds_for_random_layouts(params):
+@given(scenarios(), st.booleans())
+def test_load_bound_holds_for_random_layouts(params, shared):
+    """(d) per group of params sharing shape and layouts: each replica of a source shard sends
+    at most its even share of the group's bytes plus one param's consumer bytes."""
+    if shared:
+        params = with_shared_layouts(params)
     index = merge_rosters(rosters_for(params, WORLD), WORLD)
     plans = all_plans(index, bucket_bytes=1 << 30)
-    for spec in index.specs.values():
+    for (shape, src, dsts), names in _groups(index).items():
         per_rank = defaultdict(int)
         for r, p in plans.items():
             for op in p.send_ops():
-                if op.name == spec.name:
+                if op.name in names:
                     per_rank[r] += op.nbytes
-        for r in spec.src.mesh_ranks:
-            key = spec.src.shard_key(r)
-            replicas = spec.src.replicas(key)
+        for r in src.mesh_ranks:
+            key = src.shard_key(r)
+            replicas = src.replicas(key)
             total = sum(per_rank[x] for x in replicas)
-            region = spec.src.region(spec.shape, r)
-            one = max((region_overlap_numel(region, d.region(spec.shape, x)) *
+            region = src.region(shape, r)
+            one = max((region_overlap_numel(region, d.region(shape, x)) *
                        dtype_from_name(d.dtype).itemsize * 2  # upper bound on wire itemsize ratio
-                       for d in spec.dsts for x in d.mesh_ranks), default=0)
+                       for d in dsts for x in d.mesh_ranks), default=0)
             assert per_rank[r] <= math.ceil(total / len(replicas)) + one
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios(), st.booleans())
+def test_a_destination_meets_few_replicas_of_a_group(params, shared):
+    """A destination rank gets a group's part of one source shard from the replicas whose
+    windows its bytes span: one or two when its share is below one replica's, never one per param."""
+    if shared:
+        params = with_shared_layouts(params)
+    index = merge_rosters(rosters_for(params, WORLD), WORLD)
+    plans = all_plans(index, bucket_bytes=1 << 30)
+    for (_, src, dsts), names in _groups(index).items():
+        got = defaultdict(lambda: defaultdict(int))  # shard -> destination -> bytes
+        senders = defaultdict(lambda: defaultdict(set))
+        for d in {x for lay in dsts for x in lay.mesh_ranks}:
+            for op in plans[d].recv_ops():
+                if op.name in names:
+                    key = src.shard_key(op.src)
+                    got[key][d] += op.nbytes
+                    senders[key][d].add(op.src)
+        for key, per_dst in got.items():
+            whole, k = sum(per_dst.values()), len(src.replicas(key))
+            for d, nbytes in per_dst.items():
+                # its bytes are one contiguous stretch of the group's stream: they meet at most
+                # the windows that stretch spans
+                assert len(senders[key][d]) <= -(-nbytes * k // whole) + 1
 
 
 def test_planning_work_follows_own_ops():

@@ -10,8 +10,9 @@ import time
 
 import pytest
 from helpers.layouts import rosters_for
-from helpers.plans import WORLD, scenarios
+from helpers.plans import WORLD, scenarios, with_shared_layouts
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refit.cli.sim import Topology, lower_bound, simulate, traffic_of
 from refit.layout import dtype_from_name, intersect_regions, region_numel, region_overlap_numel, region_shape
@@ -42,25 +43,29 @@ def _itemsize(dtype: str) -> int:
 def reference_ops(index, rank: int, bucket_bytes: int) -> list[tuple]:
     """Every op of ``rank`` as (task id, name, src, dst, box, wire dtype, direct), computed
     param by param from the planner's documented rule (replica byte windows along the
-    consumer order, with the per-param rotation)."""
+    consumer order, the bytes of params sharing shape and layouts laid end to end consumer
+    by consumer)."""
     out = []
     for name in index.by_rank.get(rank, ()):
         out += _reference_param_ops(index, name, rank, bucket_bytes)
     return out
 
 
+def _group_position(index, name: str) -> tuple[int, int]:
+    """(how many params share ``name``'s shape and layouts, its position among them by name)."""
+    s = index.specs[name]
+    same = sorted(n for n, o in index.specs.items() if (o.shape, o.src, o.dsts) == (s.shape, s.src, s.dsts))
+    return len(same), same.index(name)
+
+
 def _reference_param_ops(index, name: str, rank: int, bucket_bytes: int) -> list[tuple]:
     """The ops of ``rank`` for the one param ``name``; its own function so every helper below
     closes over this param's values, never over a loop variable that moves on."""
-    import hashlib
-
     out = []
     spec = index.specs[name]
     shape, src, dsts = spec.shape, spec.src, spec.dsts
     geo_src = LayoutGeometry(shape, src)
-
-    def rot_of(k):
-        return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") % k
+    n_group, pos = _group_position(index, name)
 
     def wsize(g):
         return _itemsize(wire_dtype(src.dtype, dsts[g].dtype))
@@ -86,8 +91,9 @@ def _reference_param_ops(index, name: str, rank: int, bucket_bytes: int) -> list
                 res.append((task_id(name, d, p.start, p.shape), name, s, d, p, wire, direct))
         return res
 
-    def window(off, total, k):
-        return ((off * k) // total + rot_of(k)) % k
+    def window(off, nbytes, total, k):
+        # the group's bytes end to end, consumer by consumer; replicas take contiguous windows
+        return ((n_group * off + pos * nbytes) * k) // (n_group * total)
 
     if src.coords(rank) is not None:
         key = src.shard_key(rank)
@@ -100,7 +106,7 @@ def _reference_param_ops(index, name: str, rank: int, bucket_bytes: int) -> list
                 out += ops(rank, rank, g, sreg, dsts[g].region(shape, rank))
             off = base
             for r, n in (consumers(g, sreg, set(reps)) if gbs[g] else []):
-                if n and window(off, total, len(reps)) == reps.index(rank):
+                if n and window(off, n, total, len(reps)) == reps.index(rank):
                     out += ops(rank, r, g, sreg, dsts[g].region(shape, r))
                 off += n
             base += gbs[g]
@@ -119,7 +125,8 @@ def _reference_param_ops(index, name: str, rank: int, bucket_bytes: int) -> list
                 if r == rank:
                     break
                 off += n
-            out += ops(reps[window(off, sum(gbs), len(reps))], rank, g, sreg, mine)
+            nbytes = region_overlap_numel(sreg, mine) * wsize(g)
+            out += ops(reps[window(off, nbytes, sum(gbs), len(reps))], rank, g, sreg, mine)
     return out
 
 
@@ -129,8 +136,10 @@ def _plan_ops(plan) -> list[tuple]:
 
 
 @settings(max_examples=120, deadline=None)
-@given(scenarios())
-def test_templated_planner_equals_the_plain_rule(params):
+@given(scenarios(), st.booleans())
+def test_templated_planner_equals_the_plain_rule(params, shared):
+    if shared:
+        params = with_shared_layouts(params)
     index = merge_rosters(rosters_for(params, WORLD), WORLD)
     for r in range(WORLD):
         plan = build_rank_plan(index, r, bucket_bytes=64)
@@ -205,8 +214,8 @@ def _all_traffic(index, topo, **kw):
     return [traffic_of(build_rank_plan(index, r, **kw), topo) for r in range(index.world_size)]
 
 
-def _topology(train_world, world):
-    return Topology(8, 450.0, 50.0, 20.0, tuple(node_map(train_world, train_world, world, 8)))
+def _topology(train_world, world, message_us=15.0):
+    return Topology(8, 450.0, 50.0, 20.0, tuple(node_map(train_world, train_world, world, 8)), message_us=message_us)
 
 
 @pytest.mark.parametrize("model, train, tw, engine, ew", [
@@ -234,9 +243,15 @@ def test_simulated_time_near_the_bound_and_balanced(model, train, tw, engine, ew
 def test_fanout_inside_nodes_near_its_bound():
     model = dataclasses.replace(MODELS["kimi-k2"], num_layers=9)
     index = build_index(model, parse_train("tp=8,pp=8,ep=32,etp=1", world=256), parse_engine("tp=8,ep=128", world=128))
-    topo = _topology(256, index.world_size)
-    plain = simulate(_all_traffic(index, topo), topo)
-    fan = simulate(_all_traffic(index, topo, fanout=True, fanout_domains=topo.nodes), topo)
+    # the bound is bandwidth alone: hold the bandwidth time to it, then price the messages
+    topo = _topology(256, index.world_size, message_us=0.0)
+    plain_traffic = _all_traffic(index, topo)
+    fan_traffic = _all_traffic(index, topo, fanout=True, fanout_domains=topo.nodes)
+    plain, fan = simulate(plain_traffic, topo), simulate(fan_traffic, topo)
     bound = lower_bound(index, topo, relay=True)
     assert bound.seconds <= fan.seconds <= 1.10 * bound.seconds
     assert fan.seconds < plain.seconds
+    # fan-out's many small stripes cost their messages: hundreds more per rank than the plain plan
+    priced = dataclasses.replace(topo, message_us=15.0)
+    assert simulate(fan_traffic, priced).seconds > fan.seconds + 500 * 15e-6
+    assert max(t.buckets[0] + t.buckets[1] for t in fan_traffic) > 5 * max(t.buckets[0] for t in plain_traffic)

@@ -126,12 +126,18 @@ def _collectives(group):
     return J.collectives()
 
 
-def _case_engines(src_mesh, engines, shape=(16, 12)):
-    """A trainer layout and one data-parallel engine per entry of ``engines`` (rank lists)."""
+def _case_engines(src_mesh, engines, shape=(16, 12), twin=False):
+    """A trainer layout and one data-parallel engine per entry of ``engines`` (rank lists).
+
+    ``twin`` adds a second param of ``w``'s shape and layouts: replicas take contiguous windows
+    of a group's bytes, so with a single consumer the twins come from different replicas.
+    """
     S, R = Shard, Replicate
     dsts_w = [{"mesh": e, "pl": [S(0)], "dtype": "bfloat16" if i % 2 else "float32"} for i, e in enumerate(engines)]
     dsts_v = [{"mesh": e, "pl": [R()], "dtype": "float32"} for e in engines]
-    return {"bucket_bytes": 96, "chunk_bytes": 160, "params": [
+    twins = [{"name": "w_twin", "shape": shape, "seed": 14, "src_mesh": src_mesh, "src_pl": [R()],
+              "src_dtype": "float32", "dsts": dsts_w}] if twin else []
+    return {"bucket_bytes": 96, "chunk_bytes": 160, "params": twins + [
         {"name": "w", "shape": shape, "seed": 11, "src_mesh": src_mesh, "src_pl": [R()], "src_dtype": "float32",
          "dsts": dsts_w},
         {"name": "v", "shape": (40,), "seed": 12, "src_mesh": src_mesh, "src_pl": [R()], "src_dtype": "float32",
@@ -211,7 +217,7 @@ def test_join_dead_receiver_dead_source(procs):
     _membership(P, case, [0, 1, 3], e + 2)
     _refit(P, 4, [0, 1, 3])
     # rank 1 becomes a second trainer replica; replicas share the load, so engine 3 reads from both
-    case = _case_engines([0, 1], [[3]], shape=(24, 16))
+    case = _case_engines([0, 1], [[3]], shape=(24, 16), twin=True)
     infos = _membership(P, case, [0, 1, 3], e + 3)
     assert infos[3]["peers"] == [0, 1]
     _refit(P, 5, [0, 1, 3])
@@ -224,7 +230,7 @@ def test_join_dead_receiver_dead_source(procs):
     assert rcv["elapsed"] < DEADLINE_S
     assert res[0][1]["error"] is None
     # without the dead replica the survivor serves everything
-    _membership(P, _case_engines([0], [[3]], shape=(24, 16)), [0, 3], e + 4)
+    _membership(P, _case_engines([0], [[3]], shape=(24, 16), twin=True), [0, 3], e + 4)
     _refit(P, 7, [0, 3])
 
 
