@@ -13,18 +13,19 @@ import concurrent.futures as cf
 import os
 import signal
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from refit.comm.group import free_port
 from refit.engines.vllm.engine import VllmEngine, VllmEngineHost
+from refit.engines.vllm.serving import VllmServingHost
 from refit.errors import RefitError
 from refit.runtime.handles import ProcessWorker
 from refit.testing.hf import HFTrainerWorker, tiny_llama_config
 
-__all__ = ["VllmFleet", "reference_logprobs", "vllm_llama_config"]
+__all__ = ["VllmFleet", "reference_logprobs", "versioned_greedy", "vllm_llama_config"]
 
 
 def vllm_llama_config(**overrides: Any):
@@ -41,6 +42,32 @@ def reference_logprobs(logits: torch.Tensor, prompt: Sequence[int]) -> list[floa
     return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
 
 
+@torch.no_grad()
+def versioned_greedy(models: Mapping[int, torch.nn.Module], prompt: Sequence[int], tokens: Sequence[int],
+                     spans: Sequence[Sequence[int]]) -> list[dict]:
+    """What Hugging Face predicts for every generated token under the versions a request recorded.
+
+    ``spans`` (``[[version, n], ...]``) says which weights produced each token; the step that
+    produced token ``j`` also fed token ``j - 1`` (the prefill fed the prompt) with those
+    weights, so the KV cache it left is the one vLLM kept across a switch. ``models`` holds
+    an HF model per version. Returns ``{"token", "margin"}`` per position: the greedy choice
+    and its lead over the runner-up logit (a near tie may flip between implementations).
+    """
+    from transformers import DynamicCache
+
+    versions = [v for v, n in spans for _ in range(n)]
+    if len(versions) != len(tokens):
+        raise RefitError(f"spans cover {len(versions)} tokens, the request has {len(tokens)}")
+    cache = DynamicCache()
+    out = []
+    for j, version in enumerate(versions):
+        feed = list(prompt) if j == 0 else [int(tokens[j - 1])]
+        logits = models[version](torch.tensor([feed]), past_key_values=cache, use_cache=True).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        out.append({"token": int(top.indices[0]), "margin": float(top.values[0] - top.values[1])})
+    return out
+
+
 class VllmFleet:
     """Trainer ranks (``HFTrainerWorker``) and vLLM engines (``VllmEngineHost``), each a ``ProcessWorker``.
 
@@ -50,11 +77,17 @@ class VllmFleet:
         config: an HF config (default ``vllm_llama_config()``).
         receive_mode: the engines' receive mode.
         cpus: host CPUs to spread the engines' OpenMP threads over (vLLM binds them).
+        serving: ``"offline"`` engines (``VllmEngineHost``: calls run one at a time), or engines
+            generating while refits land (``VllmServingHost``), ``"staged"`` or ``"blocking"``.
     """
 
     def __init__(self, engine_tp: Sequence[int] = (1, 2), *, dp: int = 2, tp: int = 2, config: Any = None,
                  receive_mode: str = "auto", start_timeout_s: float = 900.0, cpus: int | None = None,
-                 kv_cache_gib: int = 1, model_dir: str | None = None):
+                 kv_cache_gib: int = 1, model_dir: str | None = None, serving: str = "offline",
+                 trainer_lr: float | None = None):
+        if serving not in ("offline", "staged", "blocking"):
+            raise RefitError(f"serving must be 'offline', 'staged' or 'blocking', got {serving!r}")
+        self.serving = serving
         self.config = config or vllm_llama_config()
         self._tmp = None
         if model_dir is None:
@@ -74,7 +107,8 @@ class VllmFleet:
         with cf.ThreadPoolExecutor(self.world + len(self.engine_tp)) as pool:
             trainers = [pool.submit(ProcessWorker, HFTrainerWorker, rank=r, world_size=self.world,
                                     config=self.config.to_dict(), dp=dp, tp=tp, master_port=port,
-                                    name=f"trainer rank {r}", start_timeout_s=start_timeout_s)
+                                    name=f"trainer rank {r}", start_timeout_s=start_timeout_s,
+                                    **({} if trainer_lr is None else {"lr": trainer_lr}))
                         for r in range(self.world)]
             hosts = [pool.submit(self._start_host, s) for s in range(len(self.engine_tp))]
             errors = []
@@ -95,10 +129,14 @@ class VllmFleet:
         first = sum(self.engine_tp[:shard])
         bind = "|".join(str((first + w) % self.cpus) for w in range(tp))
         env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
-        return ProcessWorker(VllmEngineHost, self.model_dir, name=f"engine {shard}", daemon=False,
-                             start_timeout_s=self.start_timeout_s, receive_mode=self.receive_mode, env=env,
-                             tensor_parallel_size=tp, load_format="dummy", dtype="float32", skip_tokenizer_init=True,
-                             max_model_len=128, enforce_eager=True, max_num_seqs=4)
+        kwargs: dict[str, Any] = dict(receive_mode=self.receive_mode, env=env, tensor_parallel_size=tp,
+                                      load_format="dummy", dtype="float32", skip_tokenizer_init=True,
+                                      max_model_len=128, enforce_eager=True, max_num_seqs=4)
+        host = VllmEngineHost
+        if self.serving != "offline":
+            host, kwargs["refit"] = VllmServingHost, self.serving
+        return ProcessWorker(host, self.model_dir, name=f"engine {shard}", daemon=False,
+                             start_timeout_s=self.start_timeout_s, **kwargs)
 
     @property
     def shards(self) -> list[list[Any]]:
@@ -109,6 +147,13 @@ class VllmFleet:
         """One optimizer step on every trainer rank; the HF reference logits and greedy tokens of the new weights."""
         calls = [t.call("train_and_reference", list(prompt), new_tokens) for t in self.trainers]
         return [c.result(timeout_s) for c in calls][0]
+
+    def train(self, steps: int = 1, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
+        """``steps`` optimizer steps on every trainer rank; the new full weights, HF-named."""
+        for _ in range(steps):
+            for c in [t.call("train_step") for t in self.trainers]:
+                c.result(timeout_s)
+        return [c.result(timeout_s) for c in [t.call("full_state") for t in self.trainers]][0]
 
     def check_engine(self, shard: int, prompt: Sequence[int], reference: dict, timeout_s: float = 600.0) -> dict:
         """The engine's prompt logprobs and greedy tokens against the HF reference of the same weights."""

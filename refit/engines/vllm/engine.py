@@ -59,11 +59,9 @@ class VllmEngineHost:
         if "worker_extension_cls" in llm_kwargs:
             raise RefitError("VllmEngineHost sets worker_extension_cls itself (refit's worker extension)")
         os.environ.update({k: str(v) for k, v in (env or {}).items()})
-        from vllm import LLM
-
         self._key = new_key()
-        os.environ[KEY_ENV] = self._key  # the workers this LLM spawns inherit it
-        self.llm = LLM(model=model, worker_extension_cls=EXTENSION, **llm_kwargs)
+        os.environ[KEY_ENV] = self._key  # the workers this engine spawns inherit it
+        self._start_engine(model, llm_kwargs)
         self.tp_size = int(llm_kwargs.get("tensor_parallel_size", 1))
         self._lock = threading.RLock()
         self._incomplete = False
@@ -75,10 +73,17 @@ class VllmEngineHost:
         # loader mode touches the live weights only at the commit; direct mode writes them in place
         self.direct = any(w["mode"] == "direct" for w in self.workers_info)
 
+    def _start_engine(self, model: str, llm_kwargs: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=model, worker_extension_cls=EXTENSION, **llm_kwargs)
+
     # -- refit ------------------------------------------------------------------------
+    def _rpc(self, blob: bytes) -> list[bytes]:
+        return self.llm.collective_rpc("refit_dispatch", args=(blob,))
+
     def _batch(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
-        answers = self.llm.collective_rpc("refit_dispatch", args=(seal((method, calls), self._key),))
-        return [open_sealed(a, self._key) for a in answers]
+        return [open_sealed(a, self._key) for a in self._rpc(seal((method, calls), self._key))]
 
     def refit_workers(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
         """Run ``method`` on the workers named in ``calls`` (by TP rank); ``(ok, result or error)`` each."""

@@ -14,11 +14,14 @@ through the environment). A batch that does not verify is refused before it is u
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import hmac
 import os
 import pickle
 import secrets
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -89,6 +92,61 @@ class RefitWorkerExtension:
                 ep = self._refit_endpoint(**kwargs)
                 return seal((True, {**ep.refit_receive_mode(), "pid": os.getpid()}))
             ep = self._refit_endpoint()
-            return seal((True, getattr(ep, method)(*args, **kwargs)))
+            if method == "refit_transfer_start":
+                return seal((True, self._refit_transfer_start(ep, args, kwargs)))
+            if method == "refit_transfer_poll":
+                return seal(self._refit_transfer_poll())
+            result = getattr(ep, method)(*args, **kwargs)
+            if method == "refit_commit":
+                result = self._refit_switch_record(ep)
+            return seal((True, result))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, sealed
             return seal((False, sendable_error(e, traceback.format_exc())))
+
+    # -- refits while the engine keeps stepping ------------------------------------------
+    # ``collective_rpc`` runs on the engine core's loop, between two engine steps, so a call
+    # that moved a whole refit would stop generation for the transfer. A transfer started
+    # here runs on a thread of its own (the live weights are not what it writes: in loader
+    # mode it lands in side buffers), the engine keeps stepping, and the host polls for its
+    # end. Only the commit, which loads the buffers into the live weights, runs between two
+    # steps: that is the switch, and every worker of the engine makes it at the same point
+    # of the step sequence, because vLLM hands the RPC to all of them in that order.
+    def _refit_transfer_start(self, ep: Any, args: tuple, kwargs: dict) -> None:
+        pending = self.__dict__.get("_refit_pending")
+        if pending is not None and not pending.done():
+            raise RefitError("a refit transfer is still running on this vLLM worker; one runs at a time")
+        fut: cf.Future = cf.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(ep.refit_transfer(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the poll
+                fut.set_exception(e)
+
+        self._refit_pending = fut
+        threading.Thread(target=run, name="refit-transfer", daemon=True).start()
+
+    def _refit_transfer_poll(self) -> tuple[bool, Any]:
+        """``(True, None)`` while the transfer runs; then its own ``(ok, result or error)``, once."""
+        fut = self.__dict__.get("_refit_pending")
+        if fut is None:
+            return False, RefitError("no refit transfer was started on this vLLM worker")
+        if not fut.done():
+            return True, None
+        self._refit_pending = None
+        err = fut.exception()
+        if err is not None:
+            return False, sendable_error(err, "".join(traceback.format_exception(err)))
+        return True, {"transfer": fut.result()}
+
+    def _refit_switch_record(self, ep: Any) -> dict:
+        """What the switch cut: how many tokens every request the engine holds had generated before it.
+
+        Read between two steps, so a request's first ``n`` tokens came from the old weights
+        and the rest from the new ones. ``at`` is this process's monotonic clock (the one
+        vLLM stamps scheduling with), to place requests the model runner did not hold.
+        """
+        runner = getattr(self, "model_runner", None)
+        held = getattr(runner, "requests", {}) or {}
+        return {"in_flight": {rid: len(state.output_token_ids) for rid, state in held.items()},
+                "at": time.monotonic(), "version": ep.weights_version, "load_s": ep.last_load_s}
