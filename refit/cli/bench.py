@@ -336,6 +336,11 @@ def run_cuda(args) -> int:
 
 
 def run(args) -> int:
+    if args.engine == "vllm" and args.path == "staged":
+        from refit.cli import bench_staged_vllm
+
+        refuse_unused(args, bench_staged_vllm.FLAGS, "--path staged --engine vllm")
+        return bench_staged_vllm.run(args)
     if args.engine == "vllm":
         from refit.cli import bench_vllm
 

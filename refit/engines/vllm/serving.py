@@ -35,7 +35,7 @@ from refit.engines.vllm.engine import VllmEngineHost
 from refit.engines.vllm.extension import EXTENSION
 from refit.errors import InconsistentWeights, RefitError
 
-__all__ = ["REFIT_MODES", "VllmServingHost", "median_gap", "step_gaps"]
+__all__ = ["REFIT_MODES", "VllmServingHost", "median_gap", "token_gaps"]
 
 REFIT_MODES = ("staged", "blocking")
 _POLL_S = 0.02
@@ -354,14 +354,14 @@ class VllmServingHost(VllmEngineHost):
                     "stalls": [s for s in self.stalls if s["at"] >= load["started"]]}
 
 
-def step_gaps(records: Sequence[dict]) -> list[tuple[float, float]]:
-    """``(start, end)`` of every interval in which no request received a token, from host-side token times."""
-    times = sorted({t for r in records for t in r["times"]})
-    return list(zip(times, times[1:]))
+def token_gaps(records: Sequence[dict]) -> list[tuple[float, float]]:
+    """``(start, end)`` of every gap between two consecutive tokens of one request (host clock)."""
+    return [(a, b) for r in records for a, b in zip(r["times"], r["times"][1:])]
 
 
 def median_gap(records: Sequence[dict]) -> float:
-    gaps = [b - a for a, b in step_gaps(records)]
+    """The median time from one token of a request to its next: a decode step, as the host sees it."""
+    gaps = [b - a for a, b in token_gaps(records)]
     return statistics.median(gaps) if gaps else 0.0
 
 
