@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps of each first [2]")
     g.add_argument("--refit-timeout", type=positive_float, default=120.0,
                    help="refit_timeout_s of the synchronizer [120]")
+    g.add_argument("--staged", action="store_true",
+                   help="the engines stage every refit on their device and switch at the commit (reports the switch)")
     g = p.add_argument_group("--path staged (and --src, --dst-tp, --dst-dp, --layers, --hidden, --vocab, "
                              "--refit-timeout)")
     g.add_argument("--refits", type=positive_int, default=5, help="refits in the timed window of each mode [5]")
@@ -77,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=positive_int, default=4, help="requests generated at once [4]")
     g.add_argument("--prompt-tokens", type=positive_int, default=16, help="tokens of every prompt [16]")
     g.add_argument("--new-tokens", type=positive_int, default=16, help="tokens generated per request [16]")
+    g.add_argument("--gpu-source", default=None,
+                   help="with --device cuda: where a refit's bytes come from, host (pinned memory, PCIe), device "
+                        "(a colocated copy) or both [host,device]")
     from refit.cli import bench_gpu
 
     bench_gpu.add_gpu_arguments(p)
@@ -92,7 +97,7 @@ TRANSPORT_DEFAULTS = {"src": 4, "dst_tp": 2, "dst_dp": 2, "layers": 32, "hidden"
                       "dtype": "float32", "bucket_mib": 16}
 CPU_FLAGS = {*TRANSPORT_DEFAULTS, "dst_dtype", "repeat", "skip_golden"}
 SYNC_FLAGS = {"src", "dst_tp", "dst_dp", "layers", "hidden", "vocab", "dtype", "dst_dtype", "bucket_mib", "fleet",
-              "model", "iters", "warmup", "refit_timeout"}
+              "model", "iters", "warmup", "refit_timeout", "staged"}
 STAGED_DEFAULTS = {"src": 1, "dst_tp": 1, "dst_dp": 1, "layers": 4, "hidden": 256, "vocab": 8192}
 STAGED_FLAGS = {*STAGED_DEFAULTS, "refit_timeout", "refits", "interval", "staging_fraction", "batch", "prompt_tokens",
                 "new_tokens"}
@@ -349,9 +354,12 @@ def run(args) -> int:
     if args.path == "staged":
         from refit.cli import bench_staged
 
+        if args.device == "cuda":
+            from refit.cli import bench_staged_gpu
+
+            refuse_unused(args, bench_staged_gpu.FLAGS, "--path staged --device cuda")
+            return bench_staged_gpu.run(args)
         refuse_unused(args, STAGED_FLAGS, "--path staged")
-        if args.device != "cpu":
-            raise ConfigError("--path staged runs the reference engines on CPU (gloo); --device cuda is not done yet")
         if not 0.0 <= args.staging_fraction <= 1.0:
             raise ConfigError(f"--staging-fraction must be within [0, 1], got {args.staging_fraction}")
         for k, v in STAGED_DEFAULTS.items():

@@ -327,6 +327,13 @@ def run_sync_bench(args) -> dict:
     try:
         start_s = time.perf_counter() - t0
         sync = ReshardWeightSynchronizer(fleet.trainers, fleet.engines, **kwargs)
+        if args.staged:
+            # every transfer lands in staging copies on the engine's device; the commit copies them in
+            from refit.control.synchronizer import as_worker
+
+            for w in (w for shard in fleet.engines for w in shard):
+                as_worker(w, "engine worker").call("refit_configure_staging", True,
+                                                   require_version=False).result(args.refit_timeout)
         t1 = time.perf_counter()
         sync.init_communicator()
         init_s = time.perf_counter() - t1
@@ -339,6 +346,8 @@ def run_sync_bench(args) -> dict:
             syncs.append(timed_sync(sync))
             raws.append(timed_raw(sync, args.refit_timeout))
             checked.append(timed_raw(sync, args.refit_timeout, verify=True))
+        switches = [x["seconds"] for r, w in sync.workers.items() if r >= layout.trainer_tp
+                    for x in w.call("refit_switches").result(args.refit_timeout)[-args.iters:]]
         checks = {r: w.call("bench_wrong_tensors") for r, w in sync.workers.items() if r >= layout.trainer_tp}
         wrong = {f"rank {r}": bad for r, p in checks.items() if (bad := p.result(args.refit_timeout))}
     finally:
@@ -365,6 +374,11 @@ def run_sync_bench(args) -> dict:
         "verified": all(s.verified for s in syncs), "same_bytes": all(s.bytes == nbytes for s in syncs),
         "rebuilds_after_init": sum(s.rebuilt for s in syncs), "correct": not wrong, "wrong": wrong,
         "fleet_start_s": start_s, "init_communicator_s": init_s,
+        # what generation stops for per refit: staged, the switch (a copy of the staging into the live
+        # weights, between two steps); in place, the engines' weights are torn from the first byte to
+        # the commit (about the sync)
+        "staged": args.staged, "switch_median_s": statistics.median(switches) if switches else None,
+        "switch_max_s": max(switches) if switches else None,
     }
 
 
@@ -384,6 +398,10 @@ def print_sync_table(r: dict) -> None:
     table.add_row("raw transport + checksums", f"{c['median_s'] * 1e3:.1f} ms", f"{c['p90_s'] * 1e3:.1f} ms",
                   f"{c['GBps']:.2f}", "what verify adds to the transport")
     table.add_row("sync / raw", f"{r['sync_over_raw']:.2f}x", "", "", "")
+    if r["staged"]:
+        table.add_row("switch (staged)", f"{r['switch_median_s'] * 1e3:.2f} ms",
+                      f"max {r['switch_max_s'] * 1e3:.2f} ms", "",
+                      "staging copied into the live weights at the commit: what generation stops for")
     console = Console()
     console.print(table)
     if r["layout_note"]:

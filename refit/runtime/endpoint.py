@@ -54,6 +54,8 @@ from refit.transport.factory import make_executor
 __all__ = [
     "ConnectSpec",
     "Staging",
+    "allocate_staging",
+    "copy_staged_into_live",
     "EngineEndpoint",
     "LocalShard",
     "TrainerEndpoint",
@@ -684,28 +686,15 @@ class EngineEndpoint(_RefitEndpoint):
                 and len(st.staging_buffers) == len(shards):
             return
         total = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
-        budget, used, out = st.staging.device_fraction * total, 0, {}
-        if budget < total and any(s.tensor.device.type != "cpu" for s in shards.values()):
+        if st.staging.device_fraction * total < total and any(s.tensor.device.type != "cpu" for s in shards.values()):
             # one rank's executor moves the tensors of one device: NCCL cannot land bytes in host
             # memory, so a part staged there would need a host transport of its own
             raise RefitError(f"{self._refit_label()}: device_fraction {st.staging.device_fraction:g} < 1 stages "
                              "part of the model in host memory, which a transfer into GPU tensors cannot land in "
                              "yet; stage on the device (device_fraction=1.0)")
-        for name in sorted(shards):
-            live = shards[name].tensor
-            old = st.staging_buffers.get(name)
-            nbytes = live.numel() * live.element_size()
-            on_device = used + nbytes <= budget or live.device.type == "cpu"
-            used += nbytes if on_device else 0
-            if old is not None and old[0] == id(live):
-                out[name] = old
-                continue
-            if on_device:
-                buf = torch.empty_like(live, memory_format=torch.contiguous_format)
-            else:
-                buf = torch.empty(live.shape, dtype=live.dtype, pin_memory=torch.cuda.is_available())
-            out[name] = (id(live), buf)
-        st.staging_buffers = out
+        kept = {n: old[1] for n, old in st.staging_buffers.items() if n in shards and old[0] == id(shards[n].tensor)}
+        buffers = allocate_staging({n: s.tensor for n, s in shards.items()}, st.staging.device_fraction, kept)
+        st.staging_buffers = {n: (id(shards[n].tensor), buf) for n, buf in buffers.items()}
 
     def _refit_in_place(self) -> bool:
         """Whether a transfer writes into the live weights (True) or into buffers loaded at commit."""
@@ -780,10 +769,7 @@ class EngineEndpoint(_RefitEndpoint):
                 mode = "swap"
             else:
                 live = {n: as_local_shard(n, v).tensor for n, v in self.refit_destinations().items()}
-                for name, t in live.items():
-                    t.copy_(st.staging_buffers[name][1], non_blocking=True)
-                if any(t.device.type == "cuda" for t in live.values()):
-                    torch.cuda.synchronize()
+                copy_staged_into_live(live, {n: buf for n, (_, buf) in st.staging_buffers.items()})
                 mode = "copy"
             self.on_weights_loaded()
             seconds = time.perf_counter() - t0
@@ -870,6 +856,43 @@ class EngineEndpoint(_RefitEndpoint):
         if st.staging is not None and st.staging.require_version and st.weights_version is None:
             raise InconsistentWeights(f"{self._refit_label()}: refusing to serve before a refit brought this "
                                       "worker to the current weights version")
+
+
+def allocate_staging(live: Mapping[str, torch.Tensor], device_fraction: float,
+                     kept: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A staging tensor per live tensor: the first ``device_fraction`` of the bytes (names in
+    order) beside the live one on its device, the rest in host memory (pinned under CUDA).
+
+    ``kept`` holds staging tensors made earlier for the same live tensors; they are reused,
+    so that every refit writes into the same memory.
+    """
+    total = sum(t.numel() * t.element_size() for t in live.values())
+    budget, used, out = device_fraction * total, 0, {}
+    for name in sorted(live):
+        t = live[name]
+        nbytes = t.numel() * t.element_size()
+        on_device = used + nbytes <= budget or t.device.type == "cpu"
+        used += nbytes if on_device else 0
+        if kept and name in kept:
+            out[name] = kept[name]
+        elif on_device:
+            out[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+        else:
+            out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return out
+
+
+def copy_staged_into_live(live: Mapping[str, torch.Tensor], staging: Mapping[str, torch.Tensor]) -> None:
+    """The switch of a staged refit without a second set of weights: every staged tensor into its live one.
+
+    Copies are queued without waiting (device-to-device from staging on the device, host-to-
+    device from pinned host memory) and waited for once at the end, so the switch costs the
+    copies at the copy engines' rate, not a round trip per tensor.
+    """
+    for name, t in live.items():
+        t.copy_(staging[name], non_blocking=True)
+    if any(t.device.type == "cuda" for t in live.values()):
+        torch.cuda.synchronize()
 
 
 class _ServingStep:
