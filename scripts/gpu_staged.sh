@@ -55,7 +55,8 @@ except Exception as e:  # noqa: BLE001
     print("staged: no result:", type(e).__name__, e)
 for variant in ("inplace", "staged"):
     try:
-        r = json.loads((out / f"sync_{variant}.json").read_text())
+        text = (out / f"sync_{variant}.json").read_text()  # NIXL's workers log to stdout before it
+        r = json.loads(text[text.index("\n{") + 1:] if not text.startswith("{") else text)
     except Exception as e:  # noqa: BLE001
         print(f"sync {variant}: no result: {type(e).__name__}")
         continue

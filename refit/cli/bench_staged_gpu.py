@@ -55,7 +55,8 @@ class Decoder:
         for n in self.matrices:
             w = weights[n]
             torch.mm(self.x[w.shape[1]], w.t(), out=self.y[n])
-        torch.cuda.synchronize()
+        # this stream only: a device-wide sync would also wait for the refit's copies on their own stream
+        torch.cuda.current_stream().synchronize()
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -116,7 +117,7 @@ def run_mode(mode: str, fraction: float, live: dict, source: dict, decoder: Deco
                 done, threads = _arrive(live, source, torch.cuda.current_stream())
                 for th in threads:
                     th.join()
-                torch.cuda.synchronize()
+                done.synchronize()
                 end = time.perf_counter()
                 stalls.append(end - now)
                 arrivals.append(end - now)

@@ -886,13 +886,15 @@ def copy_staged_into_live(live: Mapping[str, torch.Tensor], staging: Mapping[str
     """The switch of a staged refit without a second set of weights: every staged tensor into its live one.
 
     Copies are queued without waiting (device-to-device from staging on the device, host-to-
-    device from pinned host memory) and waited for once at the end, so the switch costs the
-    copies at the copy engines' rate, not a round trip per tensor.
+    device from pinned host memory) and waited for once at the end, on the current stream of
+    each device, so the switch costs the copies at the copy engines' rate, not a round trip
+    per tensor.
     """
     for name, t in live.items():
         t.copy_(staging[name], non_blocking=True)
-    if any(t.device.type == "cuda" for t in live.values()):
-        torch.cuda.synchronize()
+    # the copies' own streams only: a device-wide sync would also wait for unrelated work on other streams
+    for device in {t.device for t in live.values() if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 class _ServingStep:
