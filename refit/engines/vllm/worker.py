@@ -136,8 +136,9 @@ class VllmWorkerEndpoint(EngineEndpoint):
 
     # -- after a verified refit -------------------------------------------------------
     def _refit_in_place(self) -> bool:
-        """Direct mode writes into the live parameters; loader mode into buffers vLLM loads at commit."""
-        return self.receive_mode == "direct"
+        """Direct mode writes into the live parameters (unless staged: into copies of them); loader
+        mode into buffers vLLM loads at commit."""
+        return self.receive_mode == "direct" and super()._refit_in_place()
 
     def on_weights_loaded(self) -> None:
         if self.receive_mode == "loader":
