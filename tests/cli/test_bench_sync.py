@@ -25,3 +25,13 @@ def test_sync_path_json_reports_both_paths_and_verified_bytes():
     assert r["sync_over_raw"] == r["sync"]["median_s"] / r["raw"]["median_s"]
     assert r["verified"] and r["same_bytes"] and r["correct"] and r["wrong"] == {}
     assert r["rebuilds_after_init"] == 0
+
+
+def test_staged_sync_path_reports_the_switch_and_lands_every_element():
+    proc = bench("--path", "sync", "--json", "--fleet", "local", "--layers", "1", "--hidden", "64", "--vocab", "96",
+                 "--iters", "2", "--warmup", "1", "--staged")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["staged"] and 0 < r["switch_median_s"] <= r["switch_max_s"]
+    # the transfers landed in staging and the switches copied them in: the live weights are the trainer's
+    assert r["verified"] and r["correct"] and r["wrong"] == {}
