@@ -66,10 +66,13 @@ def run_mode(mode: str, config, args) -> dict:
     gaps = token_gaps(records)
     excess = [max([b - a for a, b in gaps if b >= t0 and a <= t1] or [t1 - t0]) - step_s for t0, t1 in marks]
     stalls = [s["seconds"] for s in out["stalls"]][-args.refits:]
+    loads = [s["load_s"] for s in out["stalls"]][-args.refits:]
     tps = [_tokens_in(records, *w) / (w[1] - w[0]) for w in (quiet, busy)]
     return {"mode": mode, "tokens_per_s_without_refits": tps[0], "tokens_per_s_with_refits": tps[1],
             "throughput_ratio": tps[1] / tps[0], "median_token_gap_s": step_s,
             "stall_s": statistics.median(stalls), "stall_max_s": max(stalls),
+            # of the stall: vLLM's loaders over the received weights (on its CPU build they repack every one)
+            "load_median_s": statistics.median(loads),
             "gap_excess_median_s": statistics.median(excess), "gap_excess_max_s": max(excess),
             "sync_median_s": statistics.median(r.seconds for r in syncs),
             "transfer_median_s": statistics.median(r.transfer_s for r in syncs),

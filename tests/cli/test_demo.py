@@ -16,14 +16,14 @@ def _nixl() -> bool:
     return nixl_available()
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("transport", ["communicator", "nixl"])
 def test_refit_demo_json_reports_recovery_and_readmission(transport):
     if transport == "nixl" and not _nixl():
         pytest.skip("NIXL is not installed")
     extra = ["--nixl"] if transport == "nixl" else []
     proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--json", "--steps", "3", *extra],
-                          capture_output=True, text=True, timeout=360)
+                          capture_output=True, text=True, timeout=600)  # Ray's workers run niced: slow when busy
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # stdout is the JSON alone (Ray's obituary of the killed worker goes to stderr)
     steps = result["steps"]
