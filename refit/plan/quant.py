@@ -1,0 +1,122 @@
+"""Block-scaled FP8 destinations: the format, and which scale blocks a shard boundary cuts.
+
+DeepSeek-V3 and Kimi-K2 are served with FP8 weights scaled per block of 128 x 128 elements
+of their last two dims: ``weight`` in ``float8_e4m3fn`` and one ``weight_scale_inv`` per
+block (``dequantized = weight * weight_scale_inv``). A block's scale comes from the largest
+magnitude in the block, so quantizing a trainer's shard on its own is exact only for the
+blocks the shard holds whole. A shard boundary that does not fall on a block boundary
+(uneven TP shards, ``_StridedShard``, a TP size that does not divide a dim into multiples
+of 128) cuts blocks whose amax is spread over ranks; those, and only those, need the
+ranks' partial amaxes merged before anyone quantizes.
+
+Cuts are found per dim (a block is cut exactly when one of its dims is), so the work grows
+with the number of distinct shard boundaries, not with the number of blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from refit.errors import LayoutError
+from refit.layout import Interval, Region, normalize_mesh, shard_region
+
+__all__ = ["FP8_FORMATS", "BlockFp8", "CutBlocks", "cut_blocks", "scale_name"]
+
+# name -> (torch dtype name, largest finite value)
+FP8_FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """A destination stored as block-scaled FP8.
+
+    Args:
+        block: rows x cols of one scale block over the last two dims.
+        fmt: ``"e4m3"`` (``float8_e4m3fn``, what DeepSeek-V3 and Kimi-K2 ship) or ``"e5m2"``.
+        scale_dtype: the dtype of the scales (``weight_scale_inv``).
+    """
+
+    block: tuple[int, int] = (128, 128)
+    fmt: str = "e4m3"
+    scale_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FP8_FORMATS:
+            raise LayoutError(f"fmt must be one of {sorted(FP8_FORMATS)}, got {self.fmt!r}")
+        if len(self.block) != 2 or any(int(b) < 1 for b in self.block):
+            raise LayoutError(f"block must be two positive sizes (rows, cols), got {self.block!r}")
+        object.__setattr__(self, "block", (int(self.block[0]), int(self.block[1])))
+
+    @property
+    def dtype_name(self) -> str:
+        return FP8_FORMATS[self.fmt][0]
+
+    @property
+    def max_value(self) -> float:
+        return FP8_FORMATS[self.fmt][1]
+
+    def check_shape(self, shape: Sequence[int], *, param: str = "shape") -> None:
+        if len(shape) < 2:
+            raise LayoutError(f"{param} {list(shape)}: block-scaled FP8 needs a matrix (or a stack of them); "
+                              "keep 1-d tensors (norms, biases) in their own dtype")
+
+    def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The scale grid of a tensor of ``shape``: its leading dims, then one entry per block."""
+        self.check_shape(shape)
+        *lead, rows, cols = (int(n) for n in shape)
+        return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
+
+
+def scale_name(weight_name: str) -> str:
+    """vLLM's name for a weight's block scales: ``...weight`` -> ``...weight_scale_inv``."""
+    return f"{weight_name}_scale_inv"
+
+
+@dataclass(frozen=True)
+class CutBlocks:
+    """The blocks of one tensor that no rank holds whole, per blocked dim.
+
+    ``rows`` and ``cols`` are the block indices along the last two dims that some shard
+    boundary falls inside; a block is cut when its row index is in ``rows`` or its col
+    index is in ``cols`` (leading dims are never cut: a block spans one index of them).
+    """
+
+    grid: tuple[int, ...]  # the scale grid (``BlockFp8.scale_shape``)
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        *lead, nrows, ncols = self.grid
+        per_matrix = len(self.rows) * ncols + len(self.cols) * nrows - len(self.rows) * len(self.cols)
+        return math.prod(lead) * per_matrix
+
+    def is_cut(self, block: Sequence[int]) -> bool:
+        return block[-2] in self.rows or block[-1] in self.cols
+
+
+def _cut_indices(length: int, block: int, holders: Sequence[Sequence[Interval]]) -> tuple[int, ...]:
+    """Block indices along one dim that some holder's interval starts or stops inside of."""
+    cut = set()
+    for intervals in holders:
+        for a, b in intervals:
+            for edge in (a, b):
+                if 0 < edge < length and edge % block:
+                    cut.add(edge // block)
+    return tuple(sorted(cut))
+
+
+def cut_blocks(shape: Sequence[int], mesh: Any, placements: Sequence[Any], fmt: BlockFp8) -> CutBlocks:
+    """The blocks of a tensor laid out as ``placements`` over ``mesh`` that no rank holds whole."""
+    mesh = normalize_mesh(mesh)
+    grid = fmt.scale_shape(shape)
+    regions: list[Region] = [shard_region(shape, mesh.shape, coords, placements)
+                             for coords in np.ndindex(*mesh.shape)]
+    rows = _cut_indices(int(shape[-2]), fmt.block[0], [r[-2] for r in regions])
+    cols = _cut_indices(int(shape[-1]), fmt.block[1], [r[-1] for r in regions])
+    return CutBlocks(grid, rows, cols)

@@ -1,0 +1,111 @@
+"""Block-scaled FP8, shard by shard: exact against quantizing the full tensor, for any layout.
+
+Pure (no process group): every rank of a random layout computes its partial amaxes, they are
+merged by max, and every rank quantizes its own elements; the bits must equal the reference
+quantizer run on the full tensor, and the blocks that needed merging must be exactly the
+ones ``cut_blocks`` names.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers.fp8_jobs import weights
+from helpers.layouts import meshes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refit.errors import LayoutError
+from refit.layout import Replicate, Shard, StridedShard, shard_region
+from refit.models.fp8 import (
+    block_amax,
+    dequantize,
+    partial_amax,
+    quantize_local,
+    quantize_reference,
+    scales_from_amax,
+)
+from refit.plan.quant import BlockFp8, cut_blocks, scale_name
+
+
+def take(full: torch.Tensor, region) -> torch.Tensor:
+    out = full
+    for d, intervals in enumerate(region):
+        out = out.index_select(d, torch.tensor([i for a, b in intervals for i in range(a, b)], dtype=torch.long))
+    return out
+
+
+@st.composite
+def layouts(draw):
+    block = draw(st.sampled_from([(16, 8), (8, 16), (32, 32), (128, 128)]))
+    lead = draw(st.lists(st.integers(1, 3), max_size=1))
+    shape = (*lead, draw(st.integers(1, 3 * block[0] + 7)), draw(st.integers(1, 3 * block[1] + 7)))
+    mesh = draw(meshes(list(range(6)), max_ndim=2))
+    choices = [Replicate()] + [Shard(d) for d in range(len(shape))] + \
+        [StridedShard(d, sf) for d in range(len(shape)) for sf in (2, 3)]
+    placements = [draw(st.sampled_from(choices)) for _ in range(mesh.ndim)]
+    return {"block": block, "fmt": draw(st.sampled_from(["e4m3", "e5m2"])), "shape": shape, "mesh": mesh,
+            "placements": placements, "seed": draw(st.integers(0, 10_000))}
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_shard_by_shard_quantization_is_bit_identical_to_the_full_tensors(case):
+    fmt = BlockFp8(case["block"], case["fmt"])
+    shape, mesh, placements = case["shape"], case["mesh"], case["placements"]
+    full = weights(shape, case["seed"])
+    want_q, want_s = quantize_reference(full, fmt)
+    regions = [shard_region(shape, mesh.shape, c, placements) for c in np.ndindex(*mesh.shape)]
+    partials = [partial_amax(take(full, r), r, shape, fmt) for r in regions]
+    merged = torch.stack(partials).amax(0)
+    assert torch.equal(merged, block_amax(full, fmt))
+    scale_inv = scales_from_amax(merged, fmt)
+    assert torch.equal(scale_inv, want_s)
+    for r in regions:
+        got = quantize_local(take(full, r), r, scale_inv, fmt)
+        assert torch.equal(got.view(torch.uint8), take(want_q.view(torch.uint8), r)), (case, r)
+
+    # the blocks whose amax needed other ranks' parts are exactly the cut ones
+    cuts = cut_blocks(shape, mesh, placements, fmt)
+    whole = torch.zeros(fmt.scale_shape(shape), dtype=torch.bool)
+    for r, p in zip(regions, partials):
+        touched = take(torch.ones(shape), r).numel() > 0
+        if touched:
+            whole |= p == merged  # this rank alone knows the block's amax ...
+    for block in itertools.product(*(range(n) for n in fmt.scale_shape(shape))):
+        if not cuts.is_cut(block):
+            assert whole[block], (case, block)  # ... for every block no boundary cuts
+    assert cuts.count == sum(cuts.is_cut(b) for b in itertools.product(*(range(n) for n in cuts.grid)))
+
+
+def test_the_reference_follows_the_published_convention():
+    fmt = BlockFp8((2, 2))
+    x = torch.tensor([[1.0, -2.0, 0.5], [4.0, 0.0, 0.25], [0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    q, s = quantize_reference(x, fmt)
+    # one scale per 2x2 block (partial blocks at the edges), amax / 448, an all-zero block still finite
+    assert s.shape == (2, 2) and s.dtype == torch.float32
+    assert torch.allclose(s, torch.tensor([[4 / 448, 0.5 / 448], [1e-12 / 448, 1e-12 / 448]]))
+    assert q.dtype == torch.float8_e4m3fn and float(q[1, 0]) == 448.0 and float(q[0, 1]) == -224.0
+    assert torch.equal(dequantize(q, s, fmt), x.float())  # these values are exact in e4m3
+
+
+def test_uneven_tp_cuts_only_the_blocks_its_boundaries_fall_in():
+    fmt = BlockFp8()
+    # 7168 rows over TP 3 (2390, 2389, 2389): boundaries inside blocks 18 and 37
+    cuts = cut_blocks((7168, 2048), [0, 1, 2], [Shard(0)], fmt)
+    assert cuts.rows == (18, 37) and cuts.cols == () and cuts.count == 2 * 16
+    # TP 8 divides it into multiples of 128: nothing to exchange
+    assert cut_blocks((7168, 2048), list(range(8)), [Shard(0)], fmt).count == 0
+
+
+def test_bad_formats_and_shapes_are_refused_by_name():
+    with pytest.raises(LayoutError, match="fmt must be one of"):
+        BlockFp8(fmt="e3m4")
+    with pytest.raises(LayoutError, match="block must be two positive sizes"):
+        BlockFp8(block=(128, 0))
+    with pytest.raises(LayoutError, match="needs a matrix"):
+        BlockFp8().scale_shape((4096,))
+    assert scale_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight_scale_inv"
