@@ -4,12 +4,17 @@ The definition every path must reproduce bit for bit (DeepSeek-V3's ``weight_sca
 convention), per block of the last two dims:
 
     amax      = max |x| over the block, in float32 (0 for an all-zero block)
-    scale_inv = max(amax, MIN_AMAX) / fp8_max          (float32)
-    weight    = clamp(float32(x) / scale_inv, -fp8_max, fp8_max) cast to FP8
+    scale_inv = max(amax, MIN_AMAX) / fp8_max          (float32, what the engine multiplies by)
+    factor    = fp8_max / max(amax, MIN_AMAX)          (float32)
+    weight    = clamp(float32(x) * factor, -fp8_max, fp8_max) cast to FP8 (round to nearest even)
 
-Every step is elementwise once the block's ``scale_inv`` is known, and a max is exact in
-any order, so a rank that knows the scales of the blocks it touches quantizes its own
-elements to exactly the bits the full tensor would give. ``partial_amax`` gives what a
+The per-element step is one multiply, not a division: a compiled kernel may turn a division
+into a multiply by a reciprocal, or divide approximately, and then its bits differ from an
+eager reference in a few elements per million; a float32 multiply rounds the same
+everywhere. The two per-block divisions run eagerly on the (small) scale grid. Every step is
+elementwise once the block's factor is known, and a max is exact in any order, so a rank
+that knows the scales of the blocks it touches quantizes its own elements to exactly the
+bits the full tensor would give. ``partial_amax`` gives what a
 rank's shard contributes to each block; merging the ranks' contributions by max (only the
 cut blocks need it, ``refit.plan.quant.cut_blocks``) gives every block's amax.
 """
@@ -21,8 +26,8 @@ import torch
 from refit.layout import Region, region_shape
 from refit.plan.quant import BlockFp8
 
-__all__ = ["MIN_AMAX", "block_amax", "dequantize", "partial_amax", "quantize_local", "quantize_reference",
-           "scales_from_amax"]
+__all__ = ["MIN_AMAX", "aligned_amax", "block_amax", "dequantize", "factors_from_amax", "partial_amax",
+           "quantize_aligned", "quantize_aligned_with", "quantize_local", "quantize_reference", "scales_from_amax"]
 
 MIN_AMAX = 1e-12  # an all-zero block still gets a finite, positive scale
 
@@ -43,9 +48,26 @@ def block_amax(full: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
     return blocks.amax(dim=(-3, -1))
 
 
+def _divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a / b`` correctly rounded on every device: both operands tensors of one shape.
+
+    With a Python number on either side torch may multiply by a reciprocal instead (CPU
+    kernels do for ``number / tensor``, CUDA ones for ``tensor / number``), and the scales
+    of the same block then differ in the last bit between a CPU and a GPU.
+    """
+    return torch.div(a, b)
+
+
 def scales_from_amax(amax: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
     """``scale_inv`` per block from its amax."""
-    return (amax.float().clamp_min(MIN_AMAX) / fmt.max_value).to(getattr(torch, fmt.scale_dtype))
+    amax = amax.float().clamp_min(MIN_AMAX)
+    return _divide(amax, torch.full_like(amax, fmt.max_value)).to(getattr(torch, fmt.scale_dtype))
+
+
+def factors_from_amax(amax: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """What every element of a block is multiplied by before the cast (float32)."""
+    amax = amax.float().clamp_min(MIN_AMAX)
+    return _divide(torch.full_like(amax, fmt.max_value), amax)
 
 
 def _expand(scale_inv: torch.Tensor, index: list[torch.Tensor], fmt: BlockFp8) -> torch.Tensor:
@@ -58,16 +80,16 @@ def _expand(scale_inv: torch.Tensor, index: list[torch.Tensor], fmt: BlockFp8) -
     return scale_inv.float()[tuple(shaped)]
 
 
-def _quantize(x: torch.Tensor, scale: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
-    q = (x.float() / scale).clamp(-fmt.max_value, fmt.max_value)
+def _quantize(x: torch.Tensor, factor: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    q = (x.float() * factor).clamp(-fmt.max_value, fmt.max_value)
     return q.to(_fp8_dtype(fmt))
 
 
 def quantize_reference(full: torch.Tensor, fmt: BlockFp8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight, weight_scale_inv)`` of a full tensor: the result every refit path must equal."""
-    scale_inv = scales_from_amax(block_amax(full, fmt), fmt)
+    amax = block_amax(full, fmt)
     index = [torch.arange(n, device=full.device) for n in full.shape]
-    return _quantize(full, _expand(scale_inv, index, fmt), fmt), scale_inv
+    return _quantize(full, _expand(factors_from_amax(amax, fmt), index, fmt), fmt), scales_from_amax(amax, fmt)
 
 
 def _region_index(region: Region, device: torch.device) -> list[torch.Tensor]:
@@ -108,10 +130,44 @@ def partial_amax(local: torch.Tensor, region: Region, shape: tuple[int, ...], fm
     return out
 
 
-def quantize_local(local: torch.Tensor, region: Region, scale_inv: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
-    """One shard's FP8 weight, given the scale grid of the whole tensor (its own blocks' entries at least)."""
+def quantize_local(local: torch.Tensor, region: Region, amax: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """One shard's FP8 weight, given the merged amax grid of the whole tensor (its own blocks' at least)."""
     _check_local(local, region)
-    return _quantize(local, _expand(scale_inv, _region_index(region, local.device), fmt), fmt)
+    return _quantize(local, _expand(factors_from_amax(amax, fmt), _region_index(region, local.device), fmt), fmt)
+
+
+def aligned_amax(x: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """``block_amax`` of a shard whose blocks start at its origin, in block-shaped views (no gathers)."""
+    fmt.check_shape(x.shape)
+    *lead, rows, cols = x.shape
+    br, bc = fmt.block
+    nr, nc = -(-rows // br), -(-cols // bc)
+    xa = x.abs()
+    if rows % br or cols % bc:
+        xa = torch.nn.functional.pad(xa, (0, nc * bc - cols, 0, nr * br - rows))
+    return xa.reshape(*lead, nr, br, nc, bc).amax(dim=(-3, -1)).float()
+
+
+def quantize_aligned_with(x: torch.Tensor, factor: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """The FP8 weight of a shard whose blocks start at its origin, given each block's factor."""
+    *lead, rows, cols = x.shape
+    br, bc = fmt.block
+    nr, nc = factor.shape[-2:]
+    xf = x.float()
+    if rows % br or cols % bc:
+        xf = torch.nn.functional.pad(xf, (0, nc * bc - cols, 0, nr * br - rows))
+    blocks = xf.reshape(*lead, nr, br, nc, bc) * factor.reshape(*lead, nr, 1, nc, 1)
+    q = blocks.clamp(-fmt.max_value, fmt.max_value).to(_fp8_dtype(fmt))
+    return q.reshape(*lead, nr * br, nc * bc)[..., :rows, :cols]
+
+
+def quantize_aligned(x: torch.Tensor, fmt: BlockFp8, *, amax_fn=aligned_amax,
+                     quantize_fn=quantize_aligned_with) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight, scale_inv)`` of a shard that holds its blocks whole: two passes over it (the
+    amax, then the multiply and cast), each of which ``torch.compile`` fuses (pass compiled
+    ``amax_fn`` and ``quantize_fn``); the per-block divisions between them run eagerly."""
+    amax = amax_fn(x, fmt)
+    return quantize_fn(x, factors_from_amax(amax, fmt), fmt), scales_from_amax(amax, fmt)
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:

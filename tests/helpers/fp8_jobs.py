@@ -48,9 +48,10 @@ def quantize_and_move(group, case):
     if coords is not None:
         region = shard_region(shape, sm.shape, coords, sp)
         partial = partial_amax(local_slice(full, sm, sp, group.rank), region, shape, fmt)
-    scale_inv = scales_from_amax(merged_amax(group, partial), fmt)
+    amax = merged_amax(group, partial)
+    scale_inv = scales_from_amax(amax, fmt)
     if coords is not None:
-        q_src = quantize_local(local_slice(full, sm, sp, group.rank), region, scale_inv, fmt)
+        q_src = quantize_local(local_slice(full, sm, sp, group.rank), region, amax, fmt)
 
     want_local = local_slice(want_q.view(torch.uint8), dm, dp, group.rank)
     dst = None

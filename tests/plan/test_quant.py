@@ -23,7 +23,9 @@ from refit.layout import Replicate, Shard, StridedShard, shard_region
 from refit.models.fp8 import (
     block_amax,
     dequantize,
+    factors_from_amax,
     partial_amax,
+    quantize_aligned,
     quantize_local,
     quantize_reference,
     scales_from_amax,
@@ -65,7 +67,7 @@ def test_shard_by_shard_quantization_is_bit_identical_to_the_full_tensors(case):
     scale_inv = scales_from_amax(merged, fmt)
     assert torch.equal(scale_inv, want_s)
     for r in regions:
-        got = quantize_local(take(full, r), r, scale_inv, fmt)
+        got = quantize_local(take(full, r), r, merged, fmt)
         assert torch.equal(got.view(torch.uint8), take(want_q.view(torch.uint8), r)), (case, r)
 
     # the blocks whose amax needed other ranks' parts are exactly the cut ones
@@ -79,6 +81,24 @@ def test_shard_by_shard_quantization_is_bit_identical_to_the_full_tensors(case):
         if not cuts.is_cut(block):
             assert whole[block], (case, block)  # ... for every block no boundary cuts
     assert cuts.count == sum(cuts.is_cut(b) for b in itertools.product(*(range(n) for n in cuts.grid)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts())
+def test_the_block_shaped_quantizer_equals_the_reference(case):
+    fmt = BlockFp8(case["block"], case["fmt"])
+    full = weights(case["shape"], case["seed"])
+    q, s = quantize_aligned(full, fmt)
+    want_q, want_s = quantize_reference(full, fmt)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
+def test_the_per_block_divisions_are_correctly_rounded():
+    # the same bits on a CPU and a GPU need IEEE division, not a multiply by a reciprocal
+    amax = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) * 100
+    fmt = BlockFp8()
+    assert torch.equal(scales_from_amax(amax, fmt), (amax.double() / 448).float())
+    assert torch.equal(factors_from_amax(amax, fmt), (448 / amax.double()).float())
 
 
 def test_the_reference_follows_the_published_convention():
