@@ -15,6 +15,7 @@ from refit.errors import ConfigError, LayoutError, PlanError, RefitAborted, Refi
 from refit.layout import DTensorRef, Replicate, Shard, StridedShard, shard_region, shard_slices
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
 from refit.runtime.watchdog import RefitAbortWatchdog
+from refit.transport.quantized import xferdtensor_fp8
 from refit.transport.xfer import xferdtensor, xferdtensor_golden
 
 __version__ = "0.1.0"
@@ -43,5 +44,6 @@ __all__ = [
     "shard_region",
     "shard_slices",
     "xferdtensor",
+    "xferdtensor_fp8",
     "xferdtensor_golden",
 ]

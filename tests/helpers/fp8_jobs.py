@@ -7,9 +7,9 @@ import torch
 
 import refit
 from helpers.layouts import local_slice
-from refit.layout import mesh_coords_of, shard_region
-from refit.models.fp8 import partial_amax, quantize_local, quantize_reference, scales_from_amax
+from refit.models.fp8 import quantize_reference
 from refit.plan.quant import BlockFp8
+from refit.transport.quantized import xferdtensor_fp8
 
 
 def weights(shape, seed: int) -> torch.Tensor:
@@ -22,52 +22,57 @@ def weights(shape, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def merged_amax(group, partial: torch.Tensor) -> torch.Tensor:
-    """Every rank's partial amax grid merged by max (each rank broadcasts its own in turn)."""
-    out = partial.clone()
-    for root in range(group.world_size):
-        buf = partial.clone() if root == group.rank else torch.empty_like(partial)
-        group.broadcast(buf, root)
-        out = torch.maximum(out, buf)
-    return out
-
-
 def quantize_and_move(group, case):
-    """Sources quantize their own shards (partial amax merged over the group), FP8 weights and scales
-    move shard to shard with xferdtensor, and every destination compares bits with the reference."""
+    """``xferdtensor_fp8`` from a random source layout to a random FP8 destination layout; every
+    destination compares its weight and scales with the reference quantizer's, bit for bit."""
     fmt = BlockFp8(tuple(case["block"]), case["fmt"])
     shape = tuple(case["shape"])
     sm, sp, dm, dp = np.array(case["src_mesh"]), case["src_pl"], np.array(case["dst_mesh"]), case["dst_pl"]
     full = weights(shape, case["seed"])
     want_q, want_s = quantize_reference(full, fmt)
     grid = fmt.scale_shape(shape)
-
-    coords = mesh_coords_of(sm, group.rank)
-    partial = torch.zeros(grid, dtype=torch.float32)
-    q_src = None
-    if coords is not None:
-        region = shard_region(shape, sm.shape, coords, sp)
-        partial = partial_amax(local_slice(full, sm, sp, group.rank), region, shape, fmt)
-    amax = merged_amax(group, partial)
-    scale_inv = scales_from_amax(amax, fmt)
-    if coords is not None:
-        q_src = quantize_local(local_slice(full, sm, sp, group.rank), region, amax, fmt)
-
+    src_local = local_slice(full, sm, sp, group.rank)
     want_local = local_slice(want_q.view(torch.uint8), dm, dp, group.rank)
-    dst = None
-    if want_local is not None:
-        dst = refit.DTensorRef(torch.zeros(want_local.shape, dtype=want_q.dtype), shape)
-    refit.xferdtensor(refit.DTensorRef(q_src, shape) if q_src is not None else None, case["src_mesh"], sp,
-                      dst, case["dst_mesh"], dp, group)
-    # the scales: every source holds the whole grid after the merge; destinations take theirs
-    scale_pl = [refit.Replicate()] * sm.ndim
-    dst_scale_mesh = case["dst_mesh"]
     s_want = local_slice(want_s, dm, case["scale_pl"], group.rank)
+    dst = refit.DTensorRef(torch.zeros(want_local.shape, dtype=want_q.dtype), shape) if want_local is not None else None
     s_dst = refit.DTensorRef(torch.full(s_want.shape, float("nan")), grid) if s_want is not None else None
-    refit.xferdtensor(refit.DTensorRef(scale_inv, grid) if coords is not None else None, case["src_mesh"], scale_pl,
-                      s_dst, dst_scale_mesh, case["scale_pl"], group)
+    from refit.errors import PlanError
+
+    try:
+        xferdtensor_fp8(refit.DTensorRef(src_local, shape) if src_local is not None else None, case["src_mesh"],
+                        sp, dst, case["dst_mesh"], dp, group, quant=fmt, dst_scale=s_dst,
+                        scale_placement=case["scale_pl"])
+    except PlanError as e:
+        return {"refused": str(e)}
     if dst is None:
         return None
     return {"weight": bool(torch.equal(dst._local_tensor.view(torch.uint8), want_local)),
             "scale": bool(torch.equal(s_dst._local_tensor, s_want)),
             "bytes": int(dst._local_tensor.numel())}
+
+
+def bad_call(group, kind):
+    """A call every rank must refuse with the same error before anything moves."""
+    from refit.errors import PlanError
+
+    fmt = BlockFp8((16, 16))
+    r = group.rank
+    src = refit.DTensorRef(weights((64, 32), 1)[r * 32:(r + 1) * 32], (64, 32)) if r < 2 else None
+    q = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
+    scale = refit.DTensorRef(torch.zeros(4, 2), (4, 2))
+    dst = refit.DTensorRef(q, (64, 32)) if r >= 2 else None
+    kw = {"quant": fmt, "dst_scale": scale if r >= 2 else None}
+    if kind == "dst_dtype":
+        dst = refit.DTensorRef(torch.zeros(32, 32, dtype=torch.bfloat16), (64, 32)) if r >= 2 else None
+    elif kind == "scale_shape":
+        kw["dst_scale"] = refit.DTensorRef(torch.zeros(4, 4), (4, 4)) if r >= 2 else None
+    elif kind == "unaligned_scales":  # rows 0..29 / 30..63 cut a 16-row block, but the scales are cut by blocks
+        src = refit.DTensorRef(weights((60, 32), 1)[r * 30:(r + 1) * 30], (60, 32)) if r < 2 else None
+        dst = refit.DTensorRef(torch.zeros(30, 32, dtype=torch.float8_e4m3fn), (60, 32)) if r >= 2 else None
+        kw["dst_scale"] = refit.DTensorRef(torch.zeros(2, 2), (4, 2)) if r >= 2 else None
+        kw["scale_placement"] = [refit.Shard(0)]
+    try:
+        xferdtensor_fp8(src, [0, 1], [refit.Shard(0)], dst, [2, 3], [refit.Shard(0)], group, **kw)
+    except PlanError as e:
+        return str(e)
+    return None

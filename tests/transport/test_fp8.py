@@ -14,7 +14,7 @@ from helpers.layouts import meshes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refit.layout import Replicate, Shard, StridedShard
+from refit.layout import Replicate, Shard, StridedShard, shard_region
 
 WORLD = FLEET_SIZE = 4
 
@@ -32,7 +32,8 @@ def cases(draw):
             "seed": draw(st.integers(0, 10_000)), "src_mesh": sm.tolist(), "dst_mesh": dm.tolist(),
             "src_pl": [draw(st.sampled_from(src_choices)) for _ in range(sm.ndim)],
             "dst_pl": [draw(st.sampled_from(dst_choices)) for _ in range(dm.ndim)],
-            "scale_pl": [draw(st.sampled_from(dst_choices)) for _ in range(dm.ndim)]}
+            "scale_pl": [draw(st.sampled_from(dst_choices)) for _ in range(dm.ndim)] if draw(st.booleans())
+            else [Replicate()] * dm.ndim}
 
 
 @pytest.mark.timeout(600)
@@ -41,8 +42,44 @@ def cases(draw):
 def test_fp8_weights_and_scales_land_bit_identical_to_the_full_tensors(fleet, case):
     results = fleet.run(fp8_jobs.quantize_and_move, case, timeout_s=60)
     dst = np.array(case["dst_mesh"]).reshape(-1).tolist()
+    if not _scales_cover_their_weights(case):  # refused on every rank, naming a rank short of scales
+        assert all(res and "an FP8 shard needs the scales of every" in res.get("refused", "") for res in results)
+        return
     for rank, res in enumerate(results):
         if rank in dst:
-            assert res is not None and res["weight"] and res["scale"], (rank, case, res)
+            assert res is not None and res.get("weight") and res.get("scale"), (rank, case, res)
         else:
             assert res is None
+
+
+def _scales_cover_their_weights(case) -> bool:
+    """Whether every destination rank's scale shard holds the scale of every block its weight shard touches."""
+    shape, block = case["shape"], case["block"]
+    dm = np.array(case["dst_mesh"])
+    grid = [*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1])]
+    for coords in np.ndindex(*dm.shape):
+        weight = shard_region(shape, dm.shape, coords, case["dst_pl"])
+        scales = shard_region(grid, dm.shape, coords, case["scale_pl"])
+        for w, s, b in zip(weight[-2:], scales[-2:], block):
+            held = {i for lo, hi in s for i in range(lo, hi)}
+            if any(i // b not in held for lo, hi in w for i in range(lo, hi)):
+                return False
+    return True
+
+
+BAD = {
+    "dst_dtype": r"dst_tensor: rank 2 passed torch.bfloat16; an FP8 destination of fmt='e4m3' is float8_e4m3fn "
+                 r"\(on rank\(s\) \[2, 3\]\); nothing was moved",
+    "scale_shape": r"dst_scale: rank 2's global shape \[4, 4\] is not the scale grid \[4, 2\] of a \[64, 32\] weight",
+    "unaligned_scales": r"dst_scale: rank 3 holds weight rows \[\(30, 60\)\] of dim 0 \(60 long\) but the scales of "
+                        r"blocks \[\(2, 4\)\] only; an FP8 shard needs .* \(on rank\(s\) \[3\]\); nothing was moved",
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_fp8_destinations_raise_on_every_rank_before_moving_bytes(fleet, kind):
+    import re
+
+    results = fleet.run(fp8_jobs.bad_call, kind, timeout_s=60)
+    assert all(res is not None and re.search(BAD[kind], res) for res in results), results

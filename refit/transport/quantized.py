@@ -1,0 +1,143 @@
+"""``xferdtensor_fp8``: one tensor from high-precision shards to block-scaled FP8 shards, quantized before the wire.
+
+Each source rank quantizes its own shard, so only FP8 bytes and the small scale grid cross
+the links, shard to shard, without a gather. A block that a source shard boundary cuts has
+its amax spread over ranks: the source ranks merge their partial amaxes of the scale grid
+(a 1/16384 share of the weight's elements for 128 x 128 blocks) before anyone quantizes,
+so every element gets exactly the bits that quantizing the full tensor gives
+(``refit.models.fp8.quantize_reference``). The scales then travel as a tensor of their own
+that every source rank holds whole, so replicas share their sending as for any tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refit.comm.group import as_communicator
+from refit.errors import PlanError, RefitError
+from refit.layout import DTensorRef, Replicate, local_tensor_of, mesh_coords_of, normalize_mesh, shard_region
+from refit.models.fp8 import partial_amax, quantize_local, scales_from_amax
+from refit.plan.quant import BlockFp8
+from refit.transport.base import TransferStats
+from refit.transport.xfer import xferdtensor
+
+__all__ = ["xferdtensor_fp8"]
+
+
+def _global_shape(t: Any) -> tuple[int, ...] | None:
+    if t is None:
+        return None
+    shape = getattr(t, "global_shape", None) or getattr(t, "shape", None)
+    return tuple(int(n) for n in shape)
+
+
+def _check(quant: BlockFp8, src_tensor, dst_tensor, dst_scale, src_mesh, dst_mesh, dst_placement, scale_mesh,
+           scale_placement, rank: int) -> str | None:
+    """This rank's objection to the call, in one line (None: none)."""
+    try:
+        if src_tensor is not None:
+            dtype = local_tensor_of(src_tensor).dtype
+            if not dtype.is_floating_point or dtype.itemsize < 2:
+                return f"src_tensor: rank {rank} holds {dtype}; quantizing needs a bf16, fp16 or fp32 source"
+        if dst_tensor is None:
+            return None
+        shape = _global_shape(dst_tensor)
+        quant.check_shape(shape, param="dst_tensor: global shape")
+        got = local_tensor_of(dst_tensor).dtype
+        if got != getattr(torch, quant.dtype_name):
+            return (f"dst_tensor: rank {rank} passed {got}; an FP8 destination of fmt={quant.fmt!r} "
+                    f"is {quant.dtype_name}")
+        if dst_scale is None:
+            return f"dst_scale: rank {rank} is in dst_mesh but passed no scale tensor"
+        grid = quant.scale_shape(shape)
+        if _global_shape(dst_scale) != grid:
+            return (f"dst_scale: rank {rank}'s global shape {list(_global_shape(dst_scale))} is not the scale grid "
+                    f"{list(grid)} of a {list(shape)} weight in {quant.block[0]}x{quant.block[1]} blocks")
+        weight = shard_region(shape, normalize_mesh(dst_mesh).shape, mesh_coords_of(normalize_mesh(dst_mesh), rank),
+                              dst_placement)
+        smesh = normalize_mesh(scale_mesh)
+        coords = mesh_coords_of(smesh, rank)
+        if coords is None:
+            return f"scale_mesh: rank {rank} is in dst_mesh but not in scale_mesh; it would get no scales"
+        scales = shard_region(grid, smesh.shape, coords, scale_placement)
+        for d, (rows, blocks, size, n) in enumerate(zip(weight[-2:], scales[-2:], quant.block, shape[-2:])):
+            need = _blocks_of(rows, size)
+            if not set(need) <= {i for a, b in blocks for i in range(a, b)}:
+                dim = len(shape) - 2 + d
+                return (f"dst_scale: rank {rank} holds weight {'rows' if d == 0 else 'cols'} {list(rows)} of dim {dim} "
+                        f"({n} long) but the scales of blocks {list(blocks)} only; an FP8 shard needs the scales of "
+                        f"every {size}-block it touches (cut the weight on block boundaries, or replicate the scales)")
+    except (RefitError, TypeError, ValueError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def _blocks_of(intervals, size: int) -> list[int]:
+    return sorted({i // size for a, b in intervals for i in range(a, b)})
+
+
+def _merge_amax(comm, partial: torch.Tensor, sources: list[int]) -> torch.Tensor:
+    """Every source rank's partial amax grid, merged by max, on every source rank (through the lowest)."""
+    leader = sources[0]
+    if len(sources) == 1:
+        return partial
+    if comm.rank == leader:
+        merged = partial.clone()
+        bufs = [torch.empty_like(partial) for _ in sources[1:]]
+        for w in [comm.irecv(b, peer) for b, peer in zip(bufs, sources[1:])]:
+            comm.wait(w)
+        for b in bufs:
+            torch.maximum(merged, b, out=merged)
+        for w in [comm.isend(merged, peer) for peer in sources[1:]]:
+            comm.wait(w)
+        return merged
+    comm.wait(comm.isend(partial.contiguous(), leader))
+    merged = torch.empty_like(partial)
+    comm.wait(comm.irecv(merged, leader))
+    return merged
+
+
+def xferdtensor_fp8(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group, *,
+                    quant: BlockFp8 | None = None, dst_scale=None, scale_mesh=None, scale_placement=None,
+                    stream=None) -> TransferStats:
+    """Quantize ``src_tensor``'s shards to block-scaled FP8 and move them into ``dst_tensor``'s, scales included.
+
+    As ``xferdtensor``, with the destination in FP8 (``quant``, default 128 x 128 blocks of
+    ``float8_e4m3fn``): ``dst_tensor`` holds this rank's FP8 shard and ``dst_scale`` (a
+    ``DTensorRef`` of the scale grid, ``quant.scale_shape(shape)``) its ``weight_scale_inv``,
+    laid out on ``scale_mesh`` (default ``dst_mesh``) as ``scale_placement`` (default
+    replicated). After the call both equal ``quantize_reference`` of the full source tensor
+    on this rank's slice, bit for bit. Every rank of ``process_group`` calls it; bad input
+    raises on every rank before any byte moves. Returns the FP8 weight's ``TransferStats``.
+    """
+    quant = quant or BlockFp8()
+    comm = as_communicator(process_group)
+    smesh = normalize_mesh(src_mesh, param="src_mesh")
+    dmesh = normalize_mesh(dst_mesh, param="dst_mesh")
+    scale_mesh = dmesh if scale_mesh is None else normalize_mesh(scale_mesh, param="scale_mesh")
+    scale_placement = list(scale_placement or [Replicate()] * scale_mesh.ndim)
+    error = _check(quant, src_tensor, dst_tensor, dst_scale, smesh, dmesh, dst_placement, scale_mesh,
+                   scale_placement, comm.rank)
+    errors = comm.all_gather_object(error)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise PlanError(f"xferdtensor_fp8: {bad[0][1]} (on rank(s) {ranks}); nothing was moved")
+
+    sources = sorted(int(r) for r in smesh.reshape(-1))
+    q_ref = scale_ref = None
+    if src_tensor is not None:
+        shape = _global_shape(src_tensor)
+        local = local_tensor_of(src_tensor)
+        coords = mesh_coords_of(smesh, comm.rank)
+        region = shard_region(shape, smesh.shape, coords, src_placement)
+        amax = _merge_amax(comm, partial_amax(local, region, shape, quant), sources)
+        q_ref = DTensorRef(quantize_local(local, region, amax, quant), shape)
+        scale_ref = DTensorRef(scales_from_amax(amax, quant), quant.scale_shape(shape))
+    stats = xferdtensor(q_ref, smesh, src_placement, dst_tensor, dmesh, dst_placement, comm, stream=stream)
+    xferdtensor(scale_ref, smesh, [Replicate()] * smesh.ndim, dst_scale, scale_mesh, scale_placement, comm,
+                stream=stream)
+    return stats
+
