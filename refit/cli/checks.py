@@ -83,6 +83,11 @@ def choice_list(choices: Iterable[str], *, allow_empty: bool = False) -> Callabl
     return parse
 
 
+def engine_dtype(text: str) -> str:
+    """An engine weights dtype: a dtype name, or ``fp8`` (128 x 128 block-scaled e4m3 linear weights)."""
+    return "fp8" if text.lower() == "fp8" else dtype(text)
+
+
 def dtype(text: str) -> str:
     """A weights dtype, by its canonical name (``bf16`` -> ``bfloat16``)."""
     from refit.errors import ConfigError

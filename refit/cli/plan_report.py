@@ -22,6 +22,7 @@ import time
 from refit.cli.checks import (
     choice_list,
     dtype,
+    engine_dtype,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -57,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-gpus", type=positive_int, default=128,
                    help="engine ranks; dp is derived when not given (128)")
     g.add_argument("--train-dtype", type=dtype, default=None, help="training weights dtype (default: the model's)")
-    g.add_argument("--engine-dtype", type=dtype, default=None, help="engine weights dtype (default: the model's)")
+    g.add_argument("--engine-dtype", type=engine_dtype, default=None,
+                   help="engine weights dtype (default: the model's); fp8: the linear weights in 128x128 "
+                        "block-scaled float8_e4m3fn, quantized on the trainer before the wire, scales beside them")
     g.add_argument("--rosters", action="store_true",
                    help="ranks report one roster entry per param (the old format, slower to merge) instead of "
                         "one group per layout")

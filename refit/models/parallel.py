@@ -29,8 +29,9 @@ cut by tensor parallelism inside each replica, like the dense MLP.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,7 @@ from refit.errors import LayoutError
 from refit.layout import Placement, Replicate, Shard
 from refit.models.specs import ModelSpec, ParamShape
 from refit.plan import ParamIndex, ParamSpec, RosterEntry, RosterGroup, TensorLayout
+from refit.plan.quant import BlockFp8, scale_name
 
 
 def _parse(text: str, allowed: Iterable[str], what: str) -> dict[str, int]:
@@ -227,7 +229,10 @@ class LayoutBuilder:
         engine.check(model)
         self.model, self.train, self.engine = model, train, engine
         self.train_dtype = train_dtype or model.dtype
-        self.engine_dtype = engine_dtype or model.dtype
+        # "fp8": the engine keeps its linear weights in 128 x 128 block-scaled float8_e4m3fn (with
+        # their scales, laid out like them), everything else in the model's dtype
+        self.quant = BlockFp8() if engine_dtype == "fp8" else None
+        self.engine_dtype = model.dtype if self.quant or not engine_dtype else engine_dtype
         self.engine_offset = train.world if engine_offset is None else engine_offset
         if self.engine_offset < train.world:
             raise LayoutError(f"engine ranks start at {self.engine_offset}, inside the {train.world} training ranks")
@@ -250,12 +255,34 @@ class LayoutBuilder:
             lay = self._layouts[key] = TensorLayout(ranks, tuple(shape), tuple(placements), dtype)
         return lay
 
+    def quantized(self, p: ParamShape) -> bool:
+        """Whether an FP8 engine keeps ``p`` in FP8: the matrices of the linear layers (as the
+        FP8 checkpoints of DeepSeek-V3 and Kimi-K2 do), not the embeddings, head, router or norms."""
+        return (self.quant is not None and p.scales_of is None and len(p.shape) == 2 and p.kind != "vocab"
+                and p.name.endswith(".weight") and not p.name.endswith("mlp.gate.weight"))
+
+    def params(self) -> Iterator[ParamShape]:
+        """The model's tensors, each FP8 weight followed by its block scales (``..._scale_inv``)."""
+        for p in self.model.params():
+            yield p
+            if self.quantized(p):
+                yield dataclasses.replace(p, name=scale_name(p.name), shape=self.quant.scale_shape(p.shape),
+                                          scales_of=p.name)
+
     def stage_of(self, layer: int) -> int:
         if layer < 0:
             return 0
         return self._stage_of.get(layer, self.train.pp - 1)
 
     def src(self, p: ParamShape) -> TensorLayout:
+        if p.scales_of is not None:
+            # every source rank of the weight merges the block amaxes and holds the whole grid
+            lay = self._src_of(dataclasses.replace(p, scales_of=None))
+            return self._intern(lay.mesh_ranks, lay.mesh_shape, (Replicate(),) * len(lay.mesh_shape),
+                                self.quant.scale_dtype)
+        return self._src_of(p)
+
+    def _src_of(self, p: ParamShape) -> TensorLayout:
         t = self.train
         stage = self.stage_of(p.layer)
         base = stage * t.stage_size
@@ -278,6 +305,18 @@ class LayoutBuilder:
         return lay
 
     def dsts(self, p: ParamShape) -> tuple[TensorLayout, ...]:
+        lays = self._dsts_of(p)
+        if p.scales_of is not None or self.quantized(p):
+            dtype = self.quant.scale_dtype if p.scales_of is not None else self.quant.dtype_name
+            key = ("q", lays, dtype)
+            out = self._dst.get(key)
+            if out is None:
+                out = self._dst[key] = tuple(self._intern(lay.mesh_ranks, lay.mesh_shape, lay.placements, dtype)
+                                             for lay in lays)
+            return out
+        return lays
+
+    def _dsts_of(self, p: ParamShape) -> tuple[TensorLayout, ...]:
         e = self.engine
         off = self.engine_offset
         if p.expert is not None and e.ep:
@@ -310,7 +349,7 @@ def build_index(model: ModelSpec, train: TrainParallel, engine: EngineParallel, 
     b = LayoutBuilder(model, train, engine, **kwargs)
     specs: dict[str, ParamSpec] = {}
     groups: dict[tuple, list[str]] = defaultdict(list)
-    for p in model.params():
+    for p in b.params():
         src, dsts = b.src(p), b.dsts(p)
         specs[p.name] = ParamSpec(p.name, p.shape, src, dsts)
         groups[(src, dsts)].append(p.name)
@@ -327,7 +366,7 @@ def build_rosters(model: ModelSpec, train: TrainParallel, engine: EngineParallel
     """Per-rank roster entries, as every rank would report them (for ``merge_rosters``)."""
     b = LayoutBuilder(model, train, engine, **kwargs)
     rosters: dict[int, list[RosterEntry]] = {r: [] for r in range(b.world)}
-    for p in model.params():
+    for p in b.params():
         for role, lays in (("src", (b.src(p),)), ("dst", b.dsts(p))):
             for lay in lays:
                 mesh = np.array(lay.mesh_ranks).reshape(lay.mesh_shape)
@@ -346,7 +385,7 @@ def build_roster_groups(model: ModelSpec, train: TrainParallel, engine: EnginePa
     """
     b = LayoutBuilder(model, train, engine, **kwargs)
     pairs: dict[tuple[int, int], tuple] = {}  # params sharing their layout objects, then each layout's params
-    for p in model.params():
+    for p in b.params():
         src, dsts = b.src(p), b.dsts(p)
         got = pairs.get((id(src), id(dsts)))
         if got is None:

@@ -52,6 +52,7 @@ class ParamShape:
     layer: int
     expert: int | None = None
     heads: int | None = None
+    scales_of: str | None = None  # the block scales of this FP8 weight, laid out like it
 
     @property
     def numel(self) -> int:
