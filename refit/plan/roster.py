@@ -377,6 +377,50 @@ class _NameSet:
         self.layouts: dict[TensorLayout, list[int]] = {}
 
 
+SCALE_SUFFIX = "_scale_inv"
+
+
+def derive_scale_sources(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]]
+                         ) -> dict[int, list[RosterEntry | RosterGroup]]:
+    """Add the sources of the block scales that FP8 destinations ask for and no rank reports.
+
+    An engine that keeps ``X`` in FP8 needs ``X_scale_inv`` too, which no trainer holds: the
+    source ranks of ``X`` make it from their shards at every refit (they merge the block
+    amaxes, so each holds the whole grid). Every such name becomes a source replicated over
+    ``X``'s source mesh, in float32, reported for each of those ranks. Names are read once
+    per distinct group.
+    """
+    rosters = {r: group_roster(v) for r, v in rosters.items()}
+    seen: set[tuple[str, str]] = set()
+    sources: dict[str, RosterGroup] = {}
+    fp8_names: set[str] = set()
+    scale_wants: dict[str, tuple[int, ...]] = {}
+    for groups in rosters.values():
+        for g in groups:
+            if (g.role, g.digest) in seen:
+                continue
+            seen.add((g.role, g.digest))
+            if g.role == "src":
+                sources.update(dict.fromkeys(g.names, g))
+            elif g.dtype.startswith("float8"):
+                fp8_names.update(g.names)
+            else:
+                scale_wants.update((n, sh) for n, sh in zip(g.names, g.shapes) if n.endswith(SCALE_SUFFIX))
+    derived: dict[int, list[RosterEntry]] = {}
+    for name, shape in sorted(scale_wants.items()):
+        weight = name[: -len(SCALE_SUFFIX)]
+        src = sources.get(weight)
+        if name in sources or weight not in fp8_names or src is None:
+            continue
+        mesh = np.asarray(src.mesh)
+        for r in (int(x) for x in mesh.reshape(-1)):
+            derived.setdefault(r, []).append(
+                RosterEntry.make(name, shape, "float32", mesh.tolist(), [Replicate()] * mesh.ndim, "src"))
+    for r, entries in derived.items():
+        rosters[r] = [*rosters.get(r, []), *group_roster(entries)]
+    return rosters
+
+
 def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], world_size: int) -> ParamIndex:
     """Check the per-rank rosters against each other and merge them into one spec per param.
 
@@ -390,7 +434,13 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], wo
     The work follows the distinct groups, not the ranks times their params: each group's
     names are read once, and params that share every group (the layers of a stage, the
     experts of an EP rank) share their layouts and their checks.
+
+    FP8 destinations' block scales, which no rank holds, get sources derived from their
+    weights' (``derive_scale_sources``).
     """
+    rosters = {r: group_roster(v) for r, v in rosters.items()}
+    if any(g.role == "dst" and g.dtype.startswith("float8") for gs in rosters.values() for g in gs):
+        rosters = derive_scale_sources(rosters)
     made: dict[tuple, TensorLayout] = {}
     valid: set[tuple] = set()
     sets: dict[tuple[str, str], _NameSet] = {}

@@ -45,6 +45,7 @@ from refit.plan import (
     check_local_shapes,
     group_roster,
 )
+from refit.runtime.fp8_sources import QuantizedSources
 from refit.runtime.handles import listening_sockets
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
@@ -184,6 +185,7 @@ class _State:
     committed_epoch: int = -1  # the build whose transfer was last committed and loaded
     commits: int = 0  # refits committed and loaded by this endpoint
     nixl: Any = None  # refit.transport.nixl.NixlTransport, when the synchronizer runs transport="nixl"
+    quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
     # -- versions and staging (engines) --
     weights_version: int | None = None  # the version the live weights are; None until a refit commits one
     staging: Staging | None = None  # set by refit_configure_staging: transfers land beside the live weights
@@ -397,6 +399,14 @@ class _RefitEndpoint:
                 st.executor.close()
                 st.executor = None
             local = {n: shard.tensor for n, shard in st.shards.items()}
+            bound = {n: id(t) for n, t in local.items()}
+            st.quantized = None
+            if self._refit_role == "src":
+                # params an engine keeps in FP8 leave this rank quantized, with their scales
+                st.quantized = QuantizedSources.for_index(index, rank, local, block=self.refit_fp8_block,
+                                                          label=self._refit_label())
+                if st.quantized is not None:
+                    local = st.quantized.executor_tensors(local)
             try:
                 check_local_shapes(index, rank, {self._refit_role: {n: t.shape for n, t in local.items()}})
             except LayoutError as e:
@@ -415,7 +425,7 @@ class _RefitEndpoint:
                 st.nixl = NixlTransport(rank, device=device, timeout_s=None)  # the refit watchdog hands it the deadline
             executor = make_executor(plan, st.group, transport=transport, device=device, nixl=st.nixl)
             executor.prepare(*self._refit_sides(local))
-            st.executor, st.bound = executor, {n: id(t) for n, t in local.items()}
+            st.executor, st.bound = executor, bound
             return {"rank": rank, "bytes_to_send": plan.bytes_sent, "bytes_to_receive": plan.bytes_received,
                     "plan_s": time.perf_counter() - t0, "send_params": send_params, "recv_params": recv_params}
 
@@ -474,10 +484,14 @@ class _RefitEndpoint:
         if st.executor is None:
             raise RefitError(f"{self._refit_label()}: no plan for epoch {st.epoch}; refit_prepare first")
         # the NIXL path runs no collective: its transport is what the watchdog aborts
-        abortable = st.nixl if st.executor.transport == "nixl" else st.group
-        with RefitAbortWatchdog([abortable], timeout_s):
+        abortable = [st.nixl] if st.executor.transport == "nixl" else [st.group]
+        if st.quantized is not None and st.executor.transport == "nixl":
+            abortable.append(st.group)  # the block amaxes are merged over the communicator
+        with RefitAbortWatchdog(abortable, timeout_s):
             self.on_refit_start()
             src, dst = self._refit_sides(self._refit_local())
+            if st.quantized is not None:
+                src = st.quantized.refresh(src, st.group)
             fault, st.fault = st.fault, None
             return st.executor.run(src, dst, verify=verify, corrupt=fault)
 
@@ -583,6 +597,8 @@ class TrainerEndpoint(_RefitEndpoint):
     """
 
     _refit_role = "src"
+    # the block of the scales, when an engine keeps params in block-scaled FP8 (128 x 128: DeepSeek-V3, Kimi-K2)
+    refit_fp8_block: tuple[int, int] = (128, 128)
 
     def refit_sources(self) -> Mapping[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement refit_sources()")

@@ -1,0 +1,116 @@
+"""Refits into FP8 engines through ``ReshardWeightSynchronizer``: quantized on the trainer ranks, bit-exact.
+
+Trainer ranks hold bf16 shards whose boundaries cut scale blocks (uneven row and column
+splits over three ranks); the engines keep two of the weights in block-scaled FP8 (with
+their ``_scale_inv`` grids, which no trainer reports) and a norm in bf16. Every engine
+element must equal the reference quantizer on the full tensor, refit after refit, and only
+FP8 bytes and scales may cross the wire for the quantized weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import refit
+from refit.layout import Replicate, Shard, shard_region
+from refit.models.fp8 import quantize_reference
+from refit.plan.quant import BlockFp8, scale_name
+from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
+
+FMT = BlockFp8((16, 16))
+SHAPES = {"w1": (64, 40), "w2": (48, 50), "norm": (40,)}
+TRAIN = {"w1": Shard(0), "w2": Shard(1), "norm": Shard(0)}  # 3 ranks: 22/21/21 rows, 17/17/16 cols
+ENGINE = {"w1": Shard(0), "w2": Replicate(), "norm": Replicate()}  # w1: 32 rows a worker, on block boundaries
+QUANTIZED = ("w1", "w2")
+
+
+def full(name: str, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    shape = SHAPES[name]
+    x = torch.randn(shape, generator=g)
+    if len(shape) == 2:  # magnitudes that differ by row, so cut blocks' amaxes differ between ranks
+        x = x * torch.exp(2 * torch.randn(shape[0], 1, generator=g))
+    return x.to(torch.bfloat16)
+
+
+def take(t: torch.Tensor, region) -> torch.Tensor:
+    for d, intervals in enumerate(region):
+        t = t.index_select(d, torch.tensor([i for a, b in intervals for i in range(a, b)], dtype=torch.long))
+    return t
+
+
+class Trainer(TrainerEndpoint):
+    refit_fp8_block = FMT.block
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.step = 0
+        self.params = {}
+        self.set_step(1)
+
+    def set_step(self, step: int) -> None:
+        for n, shape in SHAPES.items():
+            region = shard_region(shape, [self.world], [self.rank], [TRAIN[n]])
+            self.params[n] = take(full(n, step), region).contiguous()
+
+    def refit_sources(self):
+        return {n: (t, SHAPES[n], list(range(self.world)), [TRAIN[n]]) for n, t in self.params.items()}
+
+
+class Fp8Engine(EngineEndpoint):
+    def __init__(self, worker: int, workers: int):
+        self.worker, self.workers = worker, workers
+        self.mesh = list(range(workers))
+        self.tensors = {}
+        for n, shape in SHAPES.items():
+            region = shard_region(shape, [workers], [worker], [ENGINE[n]])
+            dtype = getattr(torch, FMT.dtype_name) if n in QUANTIZED else torch.bfloat16
+            self.tensors[n] = (torch.zeros([b - a for (a, b), in region], dtype=dtype), ENGINE[n])
+            if n in QUANTIZED:
+                grid = FMT.scale_shape(shape)
+                sregion = shard_region(grid, [workers], [worker], [ENGINE[n]])
+                self.tensors[scale_name(n)] = (torch.full([b - a for (a, b), in sregion], float("nan")), ENGINE[n])
+
+    def refit_destinations(self):
+        shapes = {**SHAPES, **{scale_name(n): FMT.scale_shape(SHAPES[n]) for n in QUANTIZED}}
+        return {n: (t, shapes[n], self.mesh, [p]) for n, (t, p) in self.tensors.items()}
+
+    def wrong(self, step: int) -> list[str]:
+        bad = []
+        for n, shape in SHAPES.items():
+            region = shard_region(shape, [self.workers], [self.worker], [ENGINE[n]])
+            got = self.tensors[n][0]
+            if n in QUANTIZED:
+                q, s = quantize_reference(full(n, step), FMT)
+                sregion = shard_region(s.shape, [self.workers], [self.worker], [ENGINE[n]])
+                if not torch.equal(got.view(torch.uint8), take(q.view(torch.uint8), region)):
+                    bad.append(n)
+                if not torch.equal(self.tensors[scale_name(n)][0], take(s, sregion)):
+                    bad.append(scale_name(n))
+            elif not torch.equal(got, take(full(n, step), region)):
+                bad.append(n)
+        return bad
+
+
+@pytest.mark.timeout(120)
+def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit():
+    trainers = [Trainer(r, 3) for r in range(3)]
+    engines = [[Fp8Engine(w, 2) for w in range(2)], [Fp8Engine(0, 1)]]
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0)
+    try:
+        for step in (1, 2, 3):
+            for t in trainers:
+                t.set_step(step)
+            result = sync.sync_weights()
+            assert result.verified
+            assert {id(e): e.wrong(step) for shard in engines for e in shard} == \
+                {id(e): [] for shard in engines for e in shard}
+        # what crossed: one byte per FP8 element, four per scale, two per bf16 norm element. Every
+        # engine worker of shard 0 takes half of w1 and all of w2, shard 1's worker all of both
+        fp8_bytes = 2 * 64 * 40 + 3 * 48 * 50
+        scale_bytes = 4 * (2 * 4 * 3 + 3 * 3 * 4)  # w1's grid once a shard, w2's to every worker
+        norm_bytes = 3 * 2 * 40
+        assert result.bytes == fp8_bytes + scale_bytes + norm_bytes
+    finally:
+        sync.shutdown()
