@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from refit.errors import LayoutError
+from refit.errors import LayoutError, PlanError
 from refit.layout import Interval, Region, normalize_mesh, shard_region
 
-__all__ = ["FP8_FORMATS", "BlockFp8", "CutBlocks", "cut_blocks", "scale_name"]
+__all__ = ["FP8_FORMATS", "BlockFp8", "CutBlocks", "check_fp8_destinations", "cut_blocks", "scale_name"]
 
 # name -> (torch dtype name, largest finite value)
 FP8_FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
@@ -120,3 +120,39 @@ def cut_blocks(shape: Sequence[int], mesh: Any, placements: Sequence[Any], fmt: 
     rows = _cut_indices(int(shape[-2]), fmt.block[0], [r[-2] for r in regions])
     cols = _cut_indices(int(shape[-1]), fmt.block[1], [r[-1] for r in regions])
     return CutBlocks(grid, rows, cols)
+
+
+def check_fp8_destinations(index: Any, rank: int, block: tuple[int, int], *, label: str = "engine") -> None:
+    """Refuse an FP8 destination of ``rank`` that could not be read back, before any byte moves.
+
+    Every FP8 weight a rank receives needs its ``_scale_inv`` on the same rank, holding the
+    scale of every block its weight shard touches: a shard cut inside a block beside a scale
+    shard cut on block boundaries would leave elements without their scale (an engine that
+    cannot pad needs its TP shards on block boundaries, or its scales replicated).
+    """
+    for name in index.by_rank.get(rank, ()):
+        spec = index.specs[name]
+        mine = [d for d in spec.dsts if d.coords(rank) is not None]
+        if not mine or not mine[0].dtype.startswith("float8"):
+            continue
+        scales = index.specs.get(scale_name(name))
+        held = [d for d in scales.dsts if d.coords(rank) is not None] if scales is not None else []
+        if not held:
+            raise PlanError(f"{label}: {name}: rank {rank} receives it in {mine[0].dtype} but not "
+                            f"{scale_name(name)}, so it could not read the values back")
+        fmt = BlockFp8(block)
+        if tuple(scales.shape) != fmt.scale_shape(spec.shape):
+            raise PlanError(f"{label}: {scale_name(name)} is {list(scales.shape)}, not the scale grid "
+                            f"{list(fmt.scale_shape(spec.shape))} of {block[0]}x{block[1]} blocks of a "
+                            f"{list(spec.shape)} weight")
+        weight = mine[0].region(spec.shape, rank)
+        grid = held[0].region(scales.shape, rank)
+        for d, size in zip((-2, -1), block):
+            need = {i // size for a, b in weight[d] for i in range(a, b)}
+            have = {i for a, b in grid[d] for i in range(a, b)}
+            if not need <= have:
+                axis = "rows" if d == -2 else "cols"
+                raise PlanError(f"{label}: {name}: rank {rank} receives {axis} {list(weight[d])} of dim "
+                                f"{len(spec.shape) + d} ({spec.shape[d]} long) but the scales of blocks "
+                                f"{list(grid[d])} only; its FP8 shard needs the scale of every {size}-block it "
+                                "touches (cut it on block boundaries, or replicate its scales)")

@@ -45,6 +45,7 @@ from refit.plan import (
     check_local_shapes,
     group_roster,
 )
+from refit.plan.quant import check_fp8_destinations
 from refit.runtime.fp8_sources import QuantizedSources
 from refit.runtime.handles import listening_sockets
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
@@ -201,6 +202,9 @@ class _State:
 class _RefitEndpoint:
     """Methods shared by both sides. State lives in one attribute, created on first use,
     so a mixin needs no ``__init__`` call from the actor class."""
+
+    # the block of the scales, when an engine keeps params in block-scaled FP8 (128 x 128: DeepSeek-V3, Kimi-K2)
+    refit_fp8_block: tuple[int, int] = (128, 128)
 
     _refit_role = "src"
 
@@ -407,6 +411,8 @@ class _RefitEndpoint:
                                                           label=self._refit_label())
                 if st.quantized is not None:
                     local = st.quantized.executor_tensors(local)
+            else:
+                check_fp8_destinations(index, rank, self.refit_fp8_block, label=self._refit_label())
             try:
                 check_local_shapes(index, rank, {self._refit_role: {n: t.shape for n, t in local.items()}})
             except LayoutError as e:
@@ -597,8 +603,6 @@ class TrainerEndpoint(_RefitEndpoint):
     """
 
     _refit_role = "src"
-    # the block of the scales, when an engine keeps params in block-scaled FP8 (128 x 128: DeepSeek-V3, Kimi-K2)
-    refit_fp8_block: tuple[int, int] = (128, 128)
 
     def refit_sources(self) -> Mapping[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement refit_sources()")

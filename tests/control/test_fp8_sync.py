@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import refit
-from refit.layout import Replicate, Shard, shard_region
+from refit.layout import Replicate, Shard, region_shape, shard_region
 from refit.models.fp8 import quantize_reference
 from refit.plan.quant import BlockFp8, scale_name
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
@@ -59,6 +59,8 @@ class Trainer(TrainerEndpoint):
 
 
 class Fp8Engine(EngineEndpoint):
+    refit_fp8_block = FMT.block
+
     def __init__(self, worker: int, workers: int):
         self.worker, self.workers = worker, workers
         self.mesh = list(range(workers))
@@ -66,11 +68,11 @@ class Fp8Engine(EngineEndpoint):
         for n, shape in SHAPES.items():
             region = shard_region(shape, [workers], [worker], [ENGINE[n]])
             dtype = getattr(torch, FMT.dtype_name) if n in QUANTIZED else torch.bfloat16
-            self.tensors[n] = (torch.zeros([b - a for (a, b), in region], dtype=dtype), ENGINE[n])
+            self.tensors[n] = (torch.zeros(region_shape(region), dtype=dtype), ENGINE[n])
             if n in QUANTIZED:
                 grid = FMT.scale_shape(shape)
                 sregion = shard_region(grid, [workers], [worker], [ENGINE[n]])
-                self.tensors[scale_name(n)] = (torch.full([b - a for (a, b), in sregion], float("nan")), ENGINE[n])
+                self.tensors[scale_name(n)] = (torch.full(region_shape(sregion), float("nan")), ENGINE[n])
 
     def refit_destinations(self):
         shapes = {**SHAPES, **{scale_name(n): FMT.scale_shape(SHAPES[n]) for n in QUANTIZED}}
@@ -112,5 +114,19 @@ def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit():
         scale_bytes = 4 * (2 * 4 * 3 + 3 * 3 * 4)  # w1's grid once a shard, w2's to every worker
         norm_bytes = 3 * 2 * 40
         assert result.bytes == fp8_bytes + scale_bytes + norm_bytes
+    finally:
+        sync.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_an_fp8_shard_cut_inside_a_block_beside_scales_cut_on_blocks_is_refused_before_any_byte_moves():
+    trainers = [Trainer(r, 3) for r in range(3)]
+    engines = [[Fp8Engine(w, 3) for w in range(3)]]  # w1's 64 rows as 22/22/20: inside blocks 1 and 2
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0)
+    try:
+        with pytest.raises(refit.RefitError, match=r"w1: rank 4 receives rows \[\(22, 44\)\] of dim 0 \(64 long\) "
+                                                   r"but the scales of blocks \[\(2, 4\)\] only"):
+            sync.sync_weights()
+        assert all(not e.tensors["w1"][0].view(torch.uint8).any() for e in engines[0])  # nothing landed
     finally:
         sync.shutdown()
