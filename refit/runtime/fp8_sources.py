@@ -20,7 +20,14 @@ import torch
 
 from refit.errors import PlanError
 from refit.layout import Region, shard_region
-from refit.models.fp8 import partial_amax, quantize_local, scales_from_amax
+from refit.models.fp8 import (
+    aligned_amax,
+    factors_from_amax,
+    partial_amax,
+    quantize_aligned_with,
+    quantize_local,
+    scales_from_amax,
+)
 from refit.plan import ParamIndex
 from refit.plan.quant import FP8_FORMATS, BlockFp8, scale_name
 
@@ -52,6 +59,7 @@ class QuantizedSources:
         for p in params:
             by_mesh[p.members].append(p.name)
         self.meshes = sorted((m, sorted(ns)) for m, ns in by_mesh.items())
+        self._compiled = None
 
     @classmethod
     def for_index(cls, index: ParamIndex, rank: int, shards: Mapping[str, torch.Tensor], *,
@@ -97,12 +105,49 @@ class QuantizedSources:
 
     def refresh(self, local: Mapping[str, torch.Tensor], comm) -> dict[str, torch.Tensor]:
         """Quantize this rank's current shards (the block amaxes merged over each source mesh)."""
-        amax = {n: partial_amax(local[n], p.region, p.shape, self.fmt) for n, p in self.params.items()}
+        amax = {n: self._partial_amax(local[n], p) for n, p in self.params.items()}
         merged = self._merge(amax, comm)
         for n, p in self.params.items():
-            self.weights[n].copy_(quantize_local(local[n], p.region, merged[n], self.fmt))
+            blocks = self._blocks(p)
+            if blocks is None:
+                self.weights[n].copy_(quantize_local(local[n], p.region, merged[n], self.fmt))
+            else:
+                factors = factors_from_amax(merged[n][blocks], self.fmt)
+                self.weights[n].copy_(self._kernels(local[n])[1](local[n], factors, self.fmt))
             self.scales[scale_name(n)].copy_(scales_from_amax(merged[n], self.fmt))
         return self.executor_tensors(local)
+
+    # A shard that starts on a block boundary (most do: even TP, FSDP's dim-0 chunks of
+    # multiples of 128) is quantized in block-shaped views, two passes that torch.compile
+    # fuses on a GPU; any other takes the general path, which gathers a scale per element.
+    def _blocks(self, p: _Param) -> tuple[slice, ...] | None:
+        """The slice of the scale grid that ``p``'s shard covers, if it is one box starting on a block."""
+        if any(len(intervals) != 1 for intervals in p.region):
+            return None
+        starts = [intervals[0][0] for intervals in p.region]
+        *lead, rows, cols = [intervals[0] for intervals in p.region]
+        br, bc = self.fmt.block
+        if starts[-2] % br or starts[-1] % bc:
+            return None
+        return (*(slice(a, b) for a, b in lead), slice(rows[0] // br, -(-rows[1] // br)),
+                slice(cols[0] // bc, -(-cols[1] // bc)))
+
+    def _partial_amax(self, x: torch.Tensor, p: _Param) -> torch.Tensor:
+        blocks = self._blocks(p)
+        if blocks is None:
+            return partial_amax(x, p.region, p.shape, self.fmt)
+        grid = torch.zeros(self.fmt.scale_shape(p.shape), dtype=torch.float32, device=x.device)
+        if x.numel():
+            grid[blocks] = self._kernels(x)[0](x, self.fmt)
+        return grid
+
+    def _kernels(self, x: torch.Tensor):
+        """(amax, quantize) for block-aligned shards: compiled on a GPU, eager elsewhere."""
+        if x.device.type != "cuda":
+            return aligned_amax, quantize_aligned_with
+        if self._compiled is None:
+            self._compiled = (torch.compile(aligned_amax), torch.compile(quantize_aligned_with))
+        return self._compiled
 
     def _merge(self, amax: dict[str, torch.Tensor], comm) -> dict[str, torch.Tensor]:
         """Every param's amax grid merged by max over its source mesh, on every rank of it.
