@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 
-from refit.cli.checks import dtype, non_negative_int, positive_float, positive_int
+from refit.cli.checks import dtype, engine_dtype, non_negative_int, positive_float, positive_int
 from refit.errors import ConfigError
 
 MIB = 1 << 20
@@ -49,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=positive_int, default=None,
                    help="vocabulary size [32000; sync: the model's, scaled]")
     p.add_argument("--dtype", type=dtype, default=None, help="source dtype [float32; sync: the model's]")
-    p.add_argument("--dst-dtype", type=dtype, default=None, help="destination dtype (default: same as source)")
+    p.add_argument("--dst-dtype", type=engine_dtype, default=None,
+                   help="destination dtype (default: same as source); --path sync: fp8 keeps the engines' linear "
+                        "weights in 128x128 block-scaled float8_e4m3fn, quantized on the trainer before the wire")
     p.add_argument("--bucket-mib", type=positive_float, default=None,
                    help="bucket size in MiB [16; sync: the synchronizer's]")
     p.add_argument("--repeat", type=positive_int, default=3,
@@ -341,6 +343,9 @@ def run_cuda(args) -> int:
 
 
 def run(args) -> int:
+    if args.dst_dtype == "fp8" and (args.path != "sync" or args.engine is not None):
+        raise ConfigError("--dst-dtype fp8 applies to --path sync (FP8 engines fed through sync_weights()); "
+                          "nothing was run")
     if args.engine == "vllm" and args.path == "staged":
         from refit.cli import bench_staged_vllm
 

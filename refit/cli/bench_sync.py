@@ -35,8 +35,11 @@ import torch
 
 from refit.errors import ConfigError
 from refit.layout import mesh_coords_of, region_shape, shard_region
+from refit.models.fp8 import quantize_reference
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec, get_model
+from refit.plan.quant import BlockFp8
+from refit.plan.roster import SCALE_SUFFIX
 from refit.runtime.endpoint import EngineEndpoint, LocalShard, TrainerEndpoint
 from refit.runtime.handles import ProcessWorker
 
@@ -117,19 +120,22 @@ class HeldTensor:
     seed: int
 
 
-def held_tensors(model: ModelSpec, layouts, local_rank: int, offset: int, dtype: str, device) -> dict[str, HeldTensor]:
-    """This rank's part of every tensor, laid out by ``layouts(param)`` (a ``TensorLayout``).
+def held_tensors(params, layouts, local_rank: int, offset: int, device) -> dict[str, HeldTensor]:
+    """This rank's part of every tensor of ``params``, laid out by ``layouts(param)`` (a ``TensorLayout``,
+    whose dtype it is held in).
 
     ``offset`` is the layout's first rank: an engine reports meshes of its own shard's
-    workers (0 ..), wherever the shard sits in the communicator.
+    workers (0 ..), wherever the shard sits in the communicator. A tensor's seed is its
+    position among the model's tensors (an FP8 weight's block scales share its seed).
     """
-    out = {}
-    for i, p in enumerate(model.params()):
+    out, seeds = {}, {}
+    for p in params:
+        seed = seeds[p.scales_of] if p.scales_of is not None else seeds.setdefault(p.name, len(seeds))
         lay = layouts(p)
         mesh = (np.asarray(lay.mesh_ranks) - offset).reshape(lay.mesh_shape)
         region = shard_region(p.shape, lay.mesh_shape, mesh_coords_of(mesh, local_rank), lay.placements)
-        t = torch.zeros(region_shape(region), dtype=getattr(torch, dtype), device=device)
-        out[p.name] = HeldTensor(LocalShard(t, p.shape, mesh, lay.placements), region, i)
+        t = torch.zeros(region_shape(region), dtype=getattr(torch, lay.dtype), device=device)
+        out[p.name] = HeldTensor(LocalShard(t, p.shape, mesh, lay.placements), region, seed)
     return out
 
 
@@ -140,8 +146,8 @@ class BenchTrainer(TrainerEndpoint):
                  threads: int | None = None):
         if threads:
             torch.set_num_threads(threads)
-        builder = LayoutBuilder(model, TrainParallel(tp=world_size), EngineParallel())
-        self.held = held_tensors(model, builder.src, rank, 0, dtype, device)
+        builder = LayoutBuilder(model, TrainParallel(tp=world_size), EngineParallel(), train_dtype=dtype)
+        self.held = held_tensors(model.params(), builder.src, rank, 0, device)
         for h in self.held.values():
             fill_pattern(h.shard.tensor, h.shard.global_shape, h.region, h.seed)
 
@@ -156,16 +162,33 @@ class BenchEngine(EngineEndpoint):
                  device: str = "cpu", threads: int | None = None):
         if threads:
             torch.set_num_threads(threads)
-        builder = LayoutBuilder(model, TrainParallel(), EngineParallel(tp=workers_per_shard))
-        self.held = held_tensors(model, lambda p: builder.dsts(p)[0], worker, builder.engine_offset, dtype, device)
+        # dtype "fp8": the linear weights in 128x128 block-scaled float8_e4m3fn, with their scales
+        self.builder = LayoutBuilder(model, TrainParallel(), EngineParallel(tp=workers_per_shard), engine_dtype=dtype)
+        self.held = held_tensors(self.builder.params(), lambda p: self.builder.dsts(p)[0], worker,
+                                 self.builder.engine_offset, device)
 
     def refit_destinations(self):
         return {n: h.shard for n, h in self.held.items()}
 
     def bench_wrong_tensors(self) -> list[str]:
-        """Names of the tensors whose elements differ from the trainer's pattern, bit for bit."""
-        return [n for n, h in self.held.items() if not holds_pattern(h.shard.tensor, h.shard.global_shape, h.region,
-                                                                      h.seed)]
+        """Names of the tensors whose elements differ from the trainer's pattern, bit for bit (FP8
+        weights and scales: from the reference quantizer run on the whole pattern)."""
+        wrong = []
+        for n, h in self.held.items():
+            t = h.shard.tensor
+            if t.dtype.is_floating_point and t.element_size() == 1 or n.endswith(SCALE_SUFFIX):
+                weight = n.removesuffix(SCALE_SUFFIX)
+                shape = self.held[weight].shard.global_shape
+                whole = tuple(((0, int(x)),) for x in shape)
+                q, scales = quantize_reference(pattern(shape, whole, h.seed, t.device, slice(None)), BlockFp8())
+                want = (scales if n.endswith(SCALE_SUFFIX) else q)[tuple(slice(a, b) for (a, b), in h.region)]
+                ok = torch.equal(t.view(torch.uint8), want.view(torch.uint8)) if t.element_size() == 1 \
+                    else torch.equal(t, want)
+            else:
+                ok = holds_pattern(t, h.shard.global_shape, h.region, h.seed)
+            if not ok:
+                wrong.append(n)
+        return wrong
 
 
 # -- layout and fleet ------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ CASES = [
     (["bench", "--path", "staged", "--device", "cuda", "--dst-tp", "2"], "--dst-tp"),
     (["bench", "--path", "staged", "--gpu-source", "host"], "--gpu-source"),
     (["bench", "--path", "transport", "--staged"], "--staged"),
+    (["bench", "--dst-dtype", "fp8"], "--dst-dtype fp8"),
     (["bench", "--device", "cuda", "--gpu-out", "{missing}/out.json"], "--gpu-out"),
     (["bench", "--device", "cuda", "--src", "2"], "--src"),
     (["bench", "--device", "cuda", "--transport", "nixl", "--nixl-timeout-s", "0"], "--nixl-timeout-s"),
