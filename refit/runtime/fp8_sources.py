@@ -156,6 +156,11 @@ class QuantizedSources:
         order): members send their grids to the mesh's lowest rank, which sends the max back.
         """
         flat = {m: torch.cat([amax[n].reshape(-1) for n in names]) for m, names in self.meshes}
+        device = next(iter(flat.values())).device if flat else torch.device("cpu")
+        if device.type == "cuda" and not getattr(comm, "stream_ordered", False):
+            # a communicator without NCCL (ranks sharing a GPU, transport="nixl") moves host tensors;
+            # the grids are 1/16384 of the weights' elements
+            flat = {m: t.cpu() for m, t in flat.items()}
         incoming: dict[tuple[int, ...], list[torch.Tensor]] = {}
         works = []
         for members, _ in self.meshes:
@@ -183,9 +188,9 @@ class QuantizedSources:
             comm.wait(w)
         out = {}
         for members, names in self.meshes:
-            pos = 0
+            merged, pos = flat[members].to(device), 0
             for n in names:
                 size = amax[n].numel()
-                out[n] = flat[members][pos:pos + size].view(amax[n].shape)
+                out[n] = merged[pos:pos + size].view(amax[n].shape)
                 pos += size
         return out
