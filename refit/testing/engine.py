@@ -31,9 +31,11 @@ import torch.nn.functional as F
 
 from refit.errors import InconsistentWeights, LayoutError
 from refit.layout import mesh_coords_of, shard_slices
+from refit.models.fp8 import dequantize
 from refit.models.fused import FusedLayout, offset_entries
 from refit.models.megatron import Entry
 from refit.models.specs import ModelSpec, hf_config_dict, load_hf_config
+from refit.plan.quant import BlockFp8
 from refit.runtime.endpoint import EngineEndpoint
 
 __all__ = ["EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm", "ThreadTPComm", "TorchTPComm",
@@ -181,8 +183,12 @@ class EngineShard(EngineEndpoint):
 
     def __init__(self, config: EngineConfig, *, tp_size: int = 1, tp_rank: int = 0, comm: TPComm | None = None,
                  qkv: str = "plain", dtype: torch.dtype = torch.float32, device: Any = "cpu",
-                 fill: float = float("nan"), expert_parallel: bool = False):
-        layout = FusedLayout(config.spec, tp_size=tp_size, tp_rank=tp_rank, qkv=qkv, expert_parallel=expert_parallel)
+                 fill: float = float("nan"), expert_parallel: bool = False, fp8: BlockFp8 | None = None):
+        layout = FusedLayout(config.spec, tp_size=tp_size, tp_rank=tp_rank, qkv=qkv, expert_parallel=expert_parallel,
+                             fp8=fp8)
+        self.fp8 = fp8
+        if fp8 is not None:
+            self.refit_fp8_block = fp8.block
         if tp_size > 1 and comm is None:
             raise LayoutError("an engine shard with tp_size > 1 needs its TP group (comm)")
         self.config, self.spec, self.layout = config, config.spec, layout
@@ -238,6 +244,14 @@ class EngineShard(EngineEndpoint):
             ref._local_tensor.copy_(t[shard_slices(ref.shape, np.asarray(mesh).shape, coords, placements)])
 
     # -- forward ---------------------------------------------------------------------------------
+    def _linear(self, name: str) -> torch.Tensor:
+        """A linear layer's fused weight for the matmul: an FP8 engine dequantizes it (weight x scale
+        of its block), which is what a GPU kernel computes inside its matmul."""
+        w = self.weights[name]
+        if self.fp8 is None:
+            return w
+        return dequantize(w, self.weights[name + "_scale_inv"], self.fp8).to(self.dtype)
+
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(t) if self.tp > 1 else t
 
@@ -265,7 +279,7 @@ class EngineShard(EngineEndpoint):
         s, w = self.spec, self.weights
         b, n, _ = x.shape
         hd = s.head_dim
-        qkv = F.linear(x, w[f"{p}.qkv_proj.weight"])
+        qkv = F.linear(x, self._linear(f"{p}.qkv_proj.weight"))
         q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q = q.view(b, n, self.heads, hd)
         k = k.view(b, n, self.kv_heads, hd)
@@ -283,13 +297,13 @@ class EngineShard(EngineEndpoint):
         scores = scores.masked_fill(causal, float("-inf"))
         probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
         o = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.heads * hd)
-        return self._all_reduce(F.linear(o, w[f"{p}.o_proj.weight"]))
+        return self._all_reduce(F.linear(o, self._linear(f"{p}.o_proj.weight")))
 
     def _mlp(self, p: str, x: torch.Tensor, moe: bool) -> torch.Tensor:
         w = self.weights
         if not moe:
-            gate, up = F.linear(x, w[f"{p}.gate_up_proj.weight"]).split(self.inter, dim=-1)
-            return self._all_reduce(F.linear(F.silu(gate) * up, w[f"{p}.down_proj.weight"]))
+            gate, up = F.linear(x, self._linear(f"{p}.gate_up_proj.weight")).split(self.inter, dim=-1)
+            return self._all_reduce(F.linear(F.silu(gate) * up, self._linear(f"{p}.down_proj.weight")))
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs = torch.softmax(F.linear(flat, w[f"{p}.gate.weight"]), dim=-1, dtype=torch.float32)
@@ -298,7 +312,7 @@ class EngineShard(EngineEndpoint):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
         out = torch.zeros_like(flat)
-        w13, w2 = w[f"{p}.experts.w13_weight"], w[f"{p}.experts.w2_weight"]
+        w13, w2 = self._linear(f"{p}.experts.w13_weight"), self._linear(f"{p}.experts.w2_weight")
         for i, e in enumerate(self.experts):
             tok, pos = torch.where(top_i == e)
             if tok.numel() == 0:
