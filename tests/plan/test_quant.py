@@ -129,3 +129,23 @@ def test_bad_formats_and_shapes_are_refused_by_name():
     with pytest.raises(LayoutError, match="needs a matrix"):
         BlockFp8().scale_shape((4096,))
     assert scale_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+
+def test_fp8_destinations_get_scale_sources_or_a_named_refusal():
+    from refit.errors import PlanError
+    from refit.plan import RosterEntry, merge_rosters
+    from refit.plan.quant import check_fp8_destinations
+
+    rosters = {r: [RosterEntry.make("w", (32, 32), "bfloat16", [0, 1], [Shard(0)], "src")] for r in (0, 1)}
+    rosters[2] = [RosterEntry.make("w", (32, 32), "float8_e4m3fn", [2], [Replicate()], "dst")]
+    index = merge_rosters(rosters, 3)
+    with pytest.raises(PlanError, match=r"engine: w: rank 2 receives it in float8_e4m3fn but not w_scale_inv"):
+        check_fp8_destinations(index, 2, (16, 16))
+    # asked for, and held by no trainer: a source derived from the weight's, replicated over its ranks
+    rosters[2].append(RosterEntry.make("w_scale_inv", (2, 2), "float32", [2], [Replicate()], "dst"))
+    index = merge_rosters(rosters, 3)
+    spec = index.specs["w_scale_inv"]
+    assert spec.src.mesh_ranks == (0, 1) and set(spec.src.placements) == {Replicate()} and spec.src.dtype == "float32"
+    check_fp8_destinations(index, 2, (16, 16))
+    with pytest.raises(PlanError, match=r"w_scale_inv is \[2, 2\], not the scale grid \[4, 4\] of 8x8 blocks"):
+        check_fp8_destinations(index, 2, (8, 8))
