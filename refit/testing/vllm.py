@@ -181,11 +181,15 @@ class VllmFleet:
         return self.engines[shard]
 
     def close(self) -> None:
-        for w in [*self.trainers, *(h for h in self.hosts if h is not None)]:
+        def close(w) -> None:
             try:
                 w.close(timeout_s=30.0)
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
+
+        workers = [*self.trainers, *(h for h in self.hosts if h is not None)]
+        with cf.ThreadPoolExecutor(max(len(workers), 1)) as pool:  # each waits for its process to exit
+            list(pool.map(close, workers))
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -36,6 +36,7 @@ from refit.runtime.handles import FuturePending, WorkerDied, pid_alive
 __all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost"]
 
 _TRANSFER_METHODS = {"refit_transfer"}
+TEARDOWN_GRACE_S = 1.0
 
 
 class IncompleteWeights(InconsistentWeights):
@@ -127,7 +128,8 @@ class VllmEngineHost:
         """
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            # a short grace: the engine core is SIGKILLed after it (its weights are of no use now)
+            llm.llm_engine.engine_core.shutdown(timeout=TEARDOWN_GRACE_S)
 
     def receive_modes(self) -> list[dict]:
         """Each worker's receive mode, its share of the weights in bytes, and its load count."""

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from refit.engines.vllm.engine import VllmEngineHost
+from refit.engines.vllm.engine import TEARDOWN_GRACE_S, VllmEngineHost
 from refit.engines.vllm.extension import EXTENSION
 from refit.errors import InconsistentWeights, RefitError
 
@@ -125,7 +125,7 @@ class VllmServingHost(VllmEngineHost):
     def refit_teardown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.shutdown()
+            llm.shutdown(timeout=TEARDOWN_GRACE_S)
             self._loop.call_soon_threadsafe(self._loop.stop)
 
     # -- refits -------------------------------------------------------------------------
