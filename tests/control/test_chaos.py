@@ -15,7 +15,7 @@ import pytest
 
 from refit.testing.chaos import run_chaos
 
-KILLS = int(os.environ.get("REFIT_CHAOS_KILLS", "6"))
+KILLS = int(os.environ.get("REFIT_CHAOS_KILLS", "4"))
 SEED = int(os.environ.get("REFIT_CHAOS_SEED", random.randrange(1 << 30)))
 
 

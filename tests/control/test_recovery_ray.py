@@ -112,7 +112,7 @@ def resources(fleet):
 
 @pytest.mark.timeout(900)  # a hang guard: 20 restarts of Ray actors took over 420 s with the cores busy
 def test_random_kills_recover_verified_readmit_and_stay_bounded(fleet):
-    """6 kill / restart cycles of Ray actors at random points; a sync completes over the survivors every time.
+    """3 kill / restart cycles of Ray actors, one in each phase of a sync; it completes over the survivors every time.
 
     (``tests/control/test_chaos.py`` and ``python -m refit.testing.chaos`` kill far more, as
     plain processes, inside rebuilds too; this one keeps the Ray actors' path honest.)
@@ -132,7 +132,7 @@ def test_random_kills_recover_verified_readmit_and_stay_bounded(fleet):
     phases = [("check", 0.05), ("transfer", TRANSFER_DELAY_S + 0.05), ("commit", LOAD_DELAY_S)]
     recoveries, lost, slow, baseline = [], [], [], None
     step = 1
-    for cycle in range(6):  # two of each phase
+    for cycle in range(3):  # one in each phase
         phase, window = phases[cycle % 3]
         target = rng.choice(TARGETS)
         killer = PhaseKiller(fleet, phase, rng.uniform(0.0, window), [target])
@@ -166,7 +166,7 @@ def test_random_kills_recover_verified_readmit_and_stay_bounded(fleet):
         res = sync.sync_weights()
         assert res.verified and res.rebuilt and res.shards == [0, 1], (cycle, res)
         assert wrong_weights(fleet, step) == {}
-        if cycle == 1:
+        if cycle == 0:
             baseline = resources(fleet)
 
     final = resources(fleet)
@@ -175,7 +175,7 @@ def test_random_kills_recover_verified_readmit_and_stay_bounded(fleet):
         assert after["fds"] <= before["fds"] + 8, (before, after)
         assert after["threads"] <= before["threads"] + 4, (before, after)
         assert len(after["listening_ports"]) <= len(before["listening_ports"]) + 1, (before, after)
-    assert len(recoveries) >= 3, f"only {len(recoveries)} of 6 kills interrupted a sync"
+    assert len(recoveries) >= 2, f"only {len(recoveries)} of 3 kills interrupted a sync"
     summary = {
         "recoveries": len(recoveries),
         "median_recovery_s": round(statistics.median(recoveries), 3),
