@@ -30,6 +30,7 @@ from refit.models.fp8 import (
 )
 from refit.plan import ParamIndex
 from refit.plan.quant import FP8_FORMATS, BlockFp8, scale_name
+from refit.transport.quantized import merge_max
 
 __all__ = ["QuantizedSources"]
 
@@ -150,47 +151,15 @@ class QuantizedSources:
         return self._compiled
 
     def _merge(self, amax: dict[str, torch.Tensor], comm) -> dict[str, torch.Tensor]:
-        """Every param's amax grid merged by max over its source mesh, on every rank of it.
-
-        Two phases over all meshes at once (every rank posts its messages in the same mesh
-        order): members send their grids to the mesh's lowest rank, which sends the max back.
-        """
+        """Every param's amax grid merged by max over its source mesh, on every rank of it
+        (one message each way per mesh, for all its params at once)."""
         flat = {m: torch.cat([amax[n].reshape(-1) for n in names]) for m, names in self.meshes}
-        device = next(iter(flat.values())).device if flat else torch.device("cpu")
-        if device.type == "cuda" and not getattr(comm, "stream_ordered", False):
-            # a communicator without NCCL (ranks sharing a GPU, transport="nixl") moves host tensors;
-            # the grids are 1/16384 of the weights' elements
-            flat = {m: t.cpu() for m, t in flat.items()}
-        incoming: dict[tuple[int, ...], list[torch.Tensor]] = {}
-        works = []
-        for members, _ in self.meshes:
-            leader = members[0]
-            if len(members) == 1:
-                continue
-            if self.rank == leader:
-                incoming[members] = [torch.empty_like(flat[members]) for _ in members[1:]]
-                works += [comm.irecv(buf, peer) for buf, peer in zip(incoming[members], members[1:])]
-            else:
-                works.append(comm.isend(flat[members], leader))
-        for w in works:
-            comm.wait(w)
-        works = []
-        for members, _ in self.meshes:
-            if len(members) == 1:
-                continue
-            if self.rank == members[0]:
-                for buf in incoming[members]:
-                    torch.maximum(flat[members], buf, out=flat[members])
-                works += [comm.isend(flat[members], peer) for peer in members[1:]]
-            else:
-                works.append(comm.irecv(flat[members], members[0]))
-        for w in works:
-            comm.wait(w)
+        merged = merge_max(comm, flat)
         out = {}
         for members, names in self.meshes:
-            merged, pos = flat[members].to(device), 0
+            pos = 0
             for n in names:
                 size = amax[n].numel()
-                out[n] = merged[pos:pos + size].view(amax[n].shape)
+                out[n] = merged[members][pos:pos + size].view(amax[n].shape)
                 pos += size
         return out

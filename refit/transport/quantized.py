@@ -23,7 +23,7 @@ from refit.plan.quant import BlockFp8
 from refit.transport.base import TransferStats
 from refit.transport.xfer import xferdtensor
 
-__all__ = ["xferdtensor_fp8"]
+__all__ = ["merge_max", "xferdtensor_fp8"]
 
 
 def _global_shape(t: Any) -> tuple[int, ...] | None:
@@ -78,25 +78,47 @@ def _blocks_of(intervals, size: int) -> list[int]:
     return sorted({i // size for a, b in intervals for i in range(a, b)})
 
 
-def _merge_amax(comm, partial: torch.Tensor, sources: list[int]) -> torch.Tensor:
-    """Every source rank's partial amax grid, merged by max, on every source rank (through the lowest)."""
-    leader = sources[0]
-    if len(sources) == 1:
-        return partial
-    if comm.rank == leader:
-        merged = partial.clone()
-        bufs = [torch.empty_like(partial) for _ in sources[1:]]
-        for w in [comm.irecv(b, peer) for b, peer in zip(bufs, sources[1:])]:
-            comm.wait(w)
-        for b in bufs:
-            torch.maximum(merged, b, out=merged)
-        for w in [comm.isend(merged, peer) for peer in sources[1:]]:
-            comm.wait(w)
-        return merged
-    comm.wait(comm.isend(partial.contiguous(), leader))
-    merged = torch.empty_like(partial)
-    comm.wait(comm.irecv(merged, leader))
-    return merged
+def merge_max(comm, grids: dict[tuple[int, ...], torch.Tensor]) -> dict[tuple[int, ...], torch.Tensor]:
+    """Each tensor merged by elementwise max over its group of ranks, on every rank of the group.
+
+    ``grids`` maps a group (its ranks, sorted) to this rank's tensor for it; every rank of a
+    group passes a tensor of the same shape, and every rank posts its groups in the same
+    order. Two phases over all groups at once: members send to the group's lowest rank,
+    which sends the max back. Over a communicator without NCCL (ranks sharing a GPU under
+    NIXL) CUDA tensors travel through host memory; block-amax grids are 1/16384 of a
+    weight's elements.
+    """
+    groups = sorted(grids)
+    device = {g: grids[g].device for g in groups}
+    flat = {g: grids[g].contiguous() for g in groups}
+    if not getattr(comm, "stream_ordered", False):
+        flat = {g: t.cpu() if t.is_cuda else t for g, t in flat.items()}
+    flat = {g: t.clone() for g, t in flat.items()}
+    incoming: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    works = []
+    for members in groups:
+        if len(members) == 1:
+            continue
+        if comm.rank == members[0]:
+            incoming[members] = [torch.empty_like(flat[members]) for _ in members[1:]]
+            works += [comm.irecv(buf, peer) for buf, peer in zip(incoming[members], members[1:])]
+        else:
+            works.append(comm.isend(flat[members], members[0]))
+    for w in works:
+        comm.wait(w)
+    works = []
+    for members in groups:
+        if len(members) == 1:
+            continue
+        if comm.rank == members[0]:
+            for buf in incoming[members]:
+                torch.maximum(flat[members], buf, out=flat[members])
+            works += [comm.isend(flat[members], peer) for peer in members[1:]]
+        else:
+            works.append(comm.irecv(flat[members], members[0]))
+    for w in works:
+        comm.wait(w)
+    return {g: flat[g].to(device[g]) for g in groups}
 
 
 def xferdtensor_fp8(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group, *,
@@ -133,7 +155,7 @@ def xferdtensor_fp8(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, d
         local = local_tensor_of(src_tensor)
         coords = mesh_coords_of(smesh, comm.rank)
         region = shard_region(shape, smesh.shape, coords, src_placement)
-        amax = _merge_amax(comm, partial_amax(local, region, shape, quant), sources)
+        amax = merge_max(comm, {tuple(sources): partial_amax(local, region, shape, quant)})[tuple(sources)]
         q_ref = DTensorRef(quantize_local(local, region, amax, quant), shape)
         scale_ref = DTensorRef(scales_from_amax(amax, quant), quant.scale_shape(shape))
     stats = xferdtensor(q_ref, smesh, src_placement, dst_tensor, dmesh, dst_placement, comm, stream=stream)
