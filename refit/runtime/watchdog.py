@@ -155,7 +155,7 @@ class RefitAbortWatchdog:
             return
         if exc is not None and not isinstance(exc, Exception):
             return  # never mask KeyboardInterrupt / SystemExit
-        raise RefitAborted(self._message()) from exc
+        raise RefitAborted(self._message(exc)) from exc
 
     def _watch(self) -> None:
         if self._done.wait(self._timeout_s):
@@ -182,9 +182,11 @@ class RefitAbortWatchdog:
             except Exception:
                 logger.exception("refit watchdog: abort() of %r raised; continuing with the others", group)
 
-    def _message(self) -> str:
+    def _message(self, exc: BaseException | None = None) -> str:
         groups = ", ".join(self._aborted) if self._aborted else "no groups"
-        return (
+        text = (
             f"refit did not finish within its {self._timeout_s:g}s deadline; the watchdog aborted "
             f"{groups}. The communicator is unusable until it is rebuilt."
         )
+        # what the released wait knew (which peer it was waiting for) is worth keeping
+        return text if exc is None or not str(exc) else f"{text} Where it stood: {exc}"

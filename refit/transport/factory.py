@@ -14,16 +14,19 @@ from refit.transport.fanout import FanoutExecutor
 from refit.transport.rounds import RoundsExecutor
 from refit.transport.streamed import StreamedExecutor
 
-TRANSPORTS = ("auto", "rounds", "streamed", "nixl")
+TRANSPORTS = ("auto", "rounds", "streamed", "nixl", "ipc")
 
 
 def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport: str = "auto",
-                  device: torch.device | str | None = None, nixl: Any = None, **options: Any) -> Executor:
+                  device: torch.device | str | None = None, nixl: Any = None, ipc: Any = None,
+                  **options: Any) -> Executor:
     """The executor of ``plan`` on this rank; made once per plan and reused every refit.
 
     ``transport``: ``"rounds"`` (host-driven rounds, gloo), ``"streamed"`` (the CUDA-stream
     pipeline over NCCL; on CPU tensors it runs on the host), ``"nixl"`` (one-sided writes
-    through ``nixl``, a ``refit.transport.nixl.NixlTransport``), or ``"auto"``: streamed
+    through ``nixl``, a ``refit.transport.nixl.NixlTransport``), ``"ipc"`` (reads straight
+    from the peers' memory on one node through ``ipc``, a ``refit.transport.ipc.IpcTransport``),
+    or ``"auto"``: streamed
     when ``device`` is a GPU and the communicator is stream-ordered (NCCL), rounds
     otherwise. A ``BroadcastPlan`` always gets the broadcast executor and a fan-out plan
     runs its two parts on the chosen transport. ``options`` go to the executor
@@ -44,6 +47,16 @@ def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport
         if plan.fanout:
             raise PlanError("transport='nixl' does not run fan-out plans")
         return NixlExecutor(plan, nixl)
+    if transport == "ipc":
+        from refit.transport.ipc import IpcExecutor
+
+        if ipc is None:
+            raise PlanError("transport='ipc' needs ipc=<IpcTransport>")
+        if plan.fanout:
+            raise PlanError("transport='ipc' does not run fan-out plans")
+        if options:
+            raise PlanError(f"the ipc executor takes no options, got {sorted(options)}")
+        return IpcExecutor(plan, ipc)
     if transport == "auto":
         ordered = bool(getattr(comm, "stream_ordered", False))
         transport = "streamed" if device is not None and device.type == "cuda" and ordered else "rounds"

@@ -126,12 +126,16 @@ class Counting:
         return attr
 
 
-def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0, chunk_bytes=None, direct=True):
+def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0, chunk_bytes=None, direct=True,
+          transport="nixl"):
     """(Re)build this rank's plan for ``case`` over ``members`` and register its buffers.
+
+    ``transport``: ``"nixl"`` (a ``NixlTransport``) or ``"ipc"`` (an ``IpcTransport``).
 
     ``exchange="group"``: the one-time handshake through the fleet's process group (counted);
     ``"relay"``: return the roster entry for the controller (the test) to relay.
     """
+    from refit.transport.ipc import IpcTransport
     from refit.transport.nixl import NixlTransport
 
     rank = group.rank
@@ -143,6 +147,8 @@ def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0,
     index = merge_rosters(rosters(case, members), world)
     plan = build_rank_plan(index, rank, bucket_bytes=case.get("bucket_bytes", 64 << 20))
     t = _S.get("transport")
+    if t is None and transport == "ipc":
+        t = _S["transport"] = IpcTransport(rank, device="cpu", timeout_s=timeout_s, verify=True)
     if t is None:
         t = _S["transport"] = NixlTransport(rank, device="cpu", timeout_s=timeout_s, verify=True,
                                             chunk_bytes=chunk_bytes or case.get("chunk_bytes", 1 << 20),
@@ -151,7 +157,8 @@ def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0,
     dst = {n: torch.full(w.shape, float("nan"), dtype=w.dtype) for n, w in want.items()}
     _S.update(case=case, src=src, dst=dst, plan=plan, members=members)
     t.prepare(plan, src, dst)
-    info = {"rank": rank, "plan_key": plan.key, "agent": t.agent_name, "peers": plan.peers(),
+    info = {"rank": rank, "plan_key": plan.key, "agent": getattr(t, "agent_name", None) or t.name,
+            "peers": plan.peers(),
             "sends": len(plan.sends), "recvs": len(plan.recvs)}
     if exchange == "group":
         proxy = Counting(group)
@@ -171,7 +178,7 @@ def install(group, roster, epoch):
     return {"collectives": collectives() - before, "epoch": t.epoch}
 
 
-def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None):
+def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, freeze_s=0.0):
     """One refit of the installed plan with the data of ``step``; check every destination.
 
     ``fault="die"``: this rank's process exits at once, in the middle of the refit (its
@@ -187,6 +194,9 @@ def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None):
     case = _S["case"]
     if fault == "die":
         os._exit(17)
+    if fault == "freeze":  # alive but stuck: its peers must name it at their deadline
+        time.sleep(freeze_s)
+        return {"rank": rank, "error": "frozen"}
     new_src, want = _slices(case, rank, step, _S["members"])
     replace = (step % 2 == 1) if replace_src is None else replace_src
     src = _S["src"]

@@ -1,0 +1,875 @@
+"""One-node transport: engines pull their blocks straight out of the trainer's memory.
+
+Most RL runs put trainer and engines on the same GPUs (or at least the same host). There,
+every byte can move with one copy: the engine maps the trainer's tensors (CUDA IPC on a
+GPU, a shared-memory segment on the host) and copies each block of its plan from them.
+No collective runs, nothing is gathered, and the only per-refit messages are two counters
+in host shared memory.
+
+Setup, once per plan (the same roster steps as ``refit.transport.nixl``):
+
+    t = IpcTransport(rank, device=dev)
+    t.prepare(plan, src, dst)           # export what this rank's receivers will read
+    entry = t.local_roster_entry()      # node, pid, control segment, exported memory
+    ... the controller gathers every rank's entry and relays the roster ...
+    t.update_membership(roster, epoch)  # map the sources' memory once; cached from now on
+
+Every refit is then ``t.run(src, dst)``:
+
+1. a source makes its data readable (GPU: its stream is drained, so the tensors hold the
+   step's weights; host: the blocks are packed into its shared staging) and publishes the
+   refit's *generation* (epoch and sequence number) in its control segment;
+2. a receiver waits for each source's generation, copies that source's blocks into its
+   destination views, and, once the copies are complete, writes the generation into its
+   own control segment under the source's rank (*done*);
+3. a source returns once every receiver reported *done*: only then may the caller
+   change the tensors the receivers read.
+
+On a GPU the source side sends nothing at all: the receiver copies from the mapped
+source tensor into the destination view, casting if the dtypes differ, so a refit is
+one device-to-device copy of the model (the limit of the hardware). Across GPUs a
+contiguous block is one peer copy on the copy engines; a strided one lands in a local
+buffer first (copy engine), then moves into place on the receiving GPU. On the host,
+sources pack into a shared segment and receivers unpack straight out of it.
+
+Generations only grow, also across epochs, so a late reader of an aborted refit never
+takes an old one for a current one, and a peer in another epoch is named at once.
+
+Peers are processes of this node, so a dead one is seen at once: every wait watches the
+peer's pidfd and raises ``RefitAborted`` naming it, and a frozen one is named at the
+deadline (``timeout_s``, or the one ``RefitAbortWatchdog`` sets). The dead peer's
+mappings are closed. A restarted peer publishes a new entry (new pid, new segments); the
+next ``update_membership`` maps it afresh.
+
+Segments are files under ``/dev/shm`` named with the owner's pid; the owner removes them
+at ``close``, and any transport that starts removes those of processes that are gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import re
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from refit.comm.wire import register_record
+from refit.errors import PlanError, RefitAborted, RefitError, TransportError
+from refit.layout import dtype_from_name
+from refit.plan import Bucket, Op, RankPlan
+from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
+from refit.transport.buckets import (
+    ChecksumLedger,
+    StagingPool,
+    align,
+    direct_view,
+    local_copies,
+    op_view,
+    pack_bucket,
+    unpack_bucket,
+)
+
+__all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "node_id"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+PREFIX = "refit-ipc"
+CONTROL_SLOTS = 8192  # slot 0: the generation this rank published; slot 1 + r: done for source rank r
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_PROBE_S = 0.05
+_NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(control|staging)$")
+_swept = False
+
+
+class IpcHandshakeError(TransportError):
+    """The roster does not fit this rank's plan or this node: a new handshake (or transport) is needed."""
+
+
+def node_id() -> str:
+    """This host, as every process on it names it (host name and boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _generation(epoch: int, seq: int) -> int:
+    return (epoch << 32) | (seq + 1)
+
+
+def _describe(gen: int) -> str:
+    return "nothing yet" if gen <= 0 else f"epoch {gen >> 32} refit {(gen & 0xFFFFFFFF) - 1}"
+
+
+# -- host shared memory ---------------------------------------------------------------------------
+
+class _Segment:
+    """A file under /dev/shm mapped into this process; its creator removes it at close."""
+
+    def __init__(self, name: str, nbytes: int = 0, *, create: bool):
+        if "/" in name or not _NAME.match(name):
+            raise IpcHandshakeError(f"{name!r} is not the name of a refit shared-memory segment")
+        path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            raise IpcHandshakeError(f"cannot {'create' if create else 'open'} {path}: {e} (peers must share this "
+                                    "host's /dev/shm: the same node and IPC namespace)") from None
+        try:
+            if create:
+                os.ftruncate(fd, max(nbytes, 8))
+            self.nbytes = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self.name, self.path, self.owner = name, path, create
+
+    def tensor(self) -> torch.Tensor:
+        return torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def words(self) -> np.ndarray:
+        return np.frombuffer(self.map, dtype=np.int64)
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # views still alive: the mapping goes when they do
+            pass
+        if self.owner:
+            self.owner = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _segment_name(kind: str) -> str:
+    return f"{PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{kind}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments() -> int:
+    """Remove the segments of processes that are gone (a killed rank cannot remove its own)."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+class _Liveness:
+    """Whether a peer process still runs: its pidfd turns readable when it exits (no pid reuse race)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.fd: int | None = None
+        try:
+            self.fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.fd = None
+
+    def alive(self) -> bool:
+        if self.fd is not None:
+            ready, _, _ = select.select([self.fd], [], [], 0)
+            return not ready
+        return _pid_alive(self.pid)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# -- CUDA IPC -------------------------------------------------------------------------------------
+
+def _export_cuda(t: torch.Tensor) -> tuple:
+    """The IPC handle of the allocation under ``t`` (the caching allocator's or an expandable segment's)."""
+    got = t.untyped_storage()._share_cuda_()
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = got
+    return ("cuda", int(device), bytes(handle), int(size), int(offset), bytes(ref_handle), int(ref_offset),
+            bytes(event_handle), bool(event_sync))
+
+
+def _open_cuda(region: tuple) -> torch.Tensor:
+    _, device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = region
+    with torch.cuda.device(device):
+        storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, ref_handle, ref_offset,
+                                                        event_handle, event_sync)
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (size,), (1,))
+
+
+# -- the roster -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IpcRosterEntry:
+    """What a rank tells its peers once: who and where it is, and what they may read.
+
+    ``regions`` maps a region id to an exported allocation: ``("shm", segment name,
+    bytes)`` or ``("cuda", device, handle, ...)``. ``tensors`` (GPU sources) maps each
+    source tensor a receiver reads to ``(region, byte offset, dtype, shape, stride)``;
+    ``staged`` (host sources) maps ``(receiver rank, bucket index)`` to ``(region, byte
+    offset, bytes)``. ``digest`` names this export.
+    """
+
+    rank: int
+    name: str
+    node: str
+    pid: int
+    device: int  # -1: host memory
+    control: str
+    regions: dict[int, tuple]
+    tensors: dict[str, tuple]
+    staged: dict[tuple[int, int], tuple[int, int, int]]
+    digest: str
+
+    def __repr__(self) -> str:
+        return (f"IpcRosterEntry(rank={self.rank}, name={self.name!r}, pid={self.pid}, device={self.device}, "
+                f"{len(self.regions)} regions, digest={self.digest})")
+
+
+register_record(IpcRosterEntry)
+
+
+def _digest(*parts: Any) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(repr(p).encode())
+    return h.hexdigest()
+
+
+# -- per-pair state ---------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Peer:
+    """A mapped peer: its entry, its control words, its liveness, and (as a source) its memory."""
+
+    entry: IpcRosterEntry
+    control: _Segment
+    words: np.ndarray
+    live: _Liveness
+    mapped: dict[int, Any] = field(default_factory=dict)  # region id -> tensor (cuda) or _Segment (shm)
+
+    def close(self) -> None:
+        self.words = np.zeros(0, dtype=np.int64)
+        self.control.close()
+        self.live.close()
+        for m in self.mapped.values():
+            if isinstance(m, _Segment):
+                m.close()
+        self.mapped.clear()
+
+
+@dataclass
+class _Copy:
+    """One receive: ``dst`` (a view of the destination) takes ``src`` (a view of the peer's memory)."""
+
+    bucket: Bucket
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, source view), in op order
+    bounce: torch.Tensor | None = None  # cross-GPU strided blocks land here first
+    staged: torch.Tensor | None = None  # host: the bucket's packed bytes in the source's segment
+
+
+def _view_of(base: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int],
+             stride: Sequence[int]) -> torch.Tensor:
+    size = dtype.itemsize
+    if offset % size:
+        raise IpcHandshakeError(f"a {dtype} tensor at byte offset {offset} is not aligned to its element size")
+    flat = base[: base.numel() // size * size].view(dtype)
+    return flat.as_strided(tuple(shape), tuple(stride), offset // size)
+
+
+class IpcTransport:
+    """Runs one rank's ``RankPlan`` between processes of one node; see the module docstring.
+
+    Args:
+        rank: this rank's id in the plans and rosters.
+        device: where this rank's tensors live (inferred at ``prepare`` when None).
+        timeout_s: default deadline of one ``run`` (``set_deadline`` overrides it).
+        verify: record per-bucket checksums in the returned ``TransferStats``.
+        probe_interval_s: how often a waiting rank checks that silent peers still run.
+    """
+
+    transport = "ipc"
+
+    def __init__(self, rank: int, *, device: torch.device | str | None = None,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, verify: bool = False,
+                 probe_interval_s: float = DEFAULT_PROBE_S):
+        global _swept
+        if not _swept:
+            _swept = True
+            sweep_stale_segments()
+        self.rank = int(rank)
+        self.name = f"refit-ipc-r{self.rank}-{uuid.uuid4().hex[:12]}"
+        self.device = torch.device(device) if device is not None else None
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self.probe_interval_s = probe_interval_s
+        self.node = node_id()
+        self.plan: RankPlan | None = None
+        self.epoch = -1
+        self.seq = 0
+        self.runs = 0
+        self._control = _Segment(_segment_name("control"), CONTROL_SLOTS * 8, create=True)
+        self._words = self._control.words()
+        self._staging: _Segment | None = None
+        self._staging_tensor: torch.Tensor | None = None
+        self._regions: dict[int, tuple] = {}
+        self._tensors: dict[str, tuple] = {}
+        self._staged: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._staged_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._sends: dict[int, list[Bucket]] = {}
+        self._recvs: dict[int, list[Bucket]] = {}
+        self._src: Mapping[str, torch.Tensor] = {}
+        self._dst: Mapping[str, torch.Tensor] = {}
+        self._keep: list[torch.Tensor] = []  # exported tensors: alive as long as peers may read them
+        self._local_digest = ""
+        self._installed_digest: str | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._copies: dict[int, list[_Copy]] = {}
+        self._scratch: StagingPool | None = None
+        self._aborted = threading.Event()
+        self._deadline: float | None = None
+        self._closed = False
+
+    # -- setup ------------------------------------------------------------------------------
+    def prepare(self, plan: RankPlan, src: Mapping[str, torch.Tensor] | None = None,
+                dst: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Export what this rank's receivers read for ``plan`` (replacing any earlier plan).
+
+        On a GPU the source tensors themselves are exported, so ``src`` must be the
+        tensors that hold the weights at every ``run``; on the host the sends are packed
+        into one shared segment. Receivers learn of it only through ``local_roster_entry``
+        and ``update_membership``.
+        """
+        self._check_open()
+        if plan.fanout and (plan.gather_sends or plan.gather_recvs):
+            raise PlanError("the IPC transport runs plans without replica fan-out (build_rank_plan(fanout=False))")
+        src, dst = dict(src or {}), dict(dst or {})
+        device = self.device or next((t.device for t in [*src.values(), *dst.values()]), torch.device("cpu"))
+        for name, t in [*src.items(), *dst.items()]:
+            if t.device.type != device.type or (device.type == "cuda" and device.index is not None
+                                                and t.device.index != device.index):
+                raise PlanError(f"rank {plan.rank}: {name} is on {t.device}, but this IPC transport moves {device} "
+                                "tensors")
+        if device.type not in ("cpu", "cuda"):
+            raise PlanError(f"rank {plan.rank}: the IPC transport moves host or CUDA tensors, not {device.type}")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.rank = plan.rank
+        self.plan = plan
+        self._src, self._dst = src, dst
+        self._sends, self._recvs = self._by_peer(plan.sends, src, "src"), self._by_peer(plan.recvs, dst, "dst")
+        self._export(src)
+        self._local_digest = _digest(self.name, sorted(self._regions.items()),
+                                     sorted(self._tensors.items()), sorted(self._staged.items()))
+
+    def _by_peer(self, buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
+                 side: str) -> dict[int, list[Bucket]]:
+        out: dict[int, list[Bucket]] = {}
+        for b in buckets:
+            missing = sorted({op.name for op in b.ops} - set(tensors))
+            if missing:
+                raise PlanError(f"rank {self.rank}: the plan {'sends' if side == 'src' else 'receives'} {missing} but "
+                                f"no {side} tensor was given for it")
+            out.setdefault(b.peer, []).append(b)
+        for bs in out.values():
+            bs.sort(key=lambda b: b.index)
+        return out
+
+    def _export(self, src: Mapping[str, torch.Tensor]) -> None:
+        self._tensors, self._staged, self._staged_views = {}, {}, {}
+        regions: dict[int, tuple] = {}
+        if self.device.type == "cuda":
+            # exported afresh at every prepare: an address the caching allocator freed and
+            # reused may be another allocation, whose old handle would no longer open
+            region_of: dict[int, int] = {}
+            keep = []
+            for name in sorted({op.name for bs in self._sends.values() for b in bs for op in b.ops}):
+                t = src[name]
+                base = t.untyped_storage().data_ptr()
+                if base not in region_of:
+                    region_of[base] = len(region_of)
+                    regions[region_of[base]] = _export_cuda(t)
+                    keep.append(t)
+                self._tensors[name] = (region_of[base], t.storage_offset() * t.element_size(),
+                                       str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
+            self._keep = keep
+        else:
+            size = 0
+            layout = []
+            for peer, bs in sorted(self._sends.items()):
+                for b in bs:
+                    layout.append(((peer, b.index), size, b.nbytes))
+                    size = align(size + b.nbytes)
+            if self._staging is None or self._staging.nbytes < size or (size == 0 and self._staging is not None):
+                self._drop_staging()
+                if size:
+                    self._staging = _Segment(_segment_name("staging"), size, create=True)
+                    self._staging_tensor = self._staging.tensor()
+            if self._staging is not None:
+                regions[0] = ("shm", self._staging.name, self._staging.nbytes)
+                for key, off, n in layout:
+                    self._staged[key] = (0, off, n)
+                    self._staged_views[key] = self._staging_tensor[off: off + n]
+        self._regions = regions
+
+    def _drop_staging(self) -> None:
+        self._staged_views, self._staging_tensor = {}, None
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+    def local_roster_entry(self) -> IpcRosterEntry:
+        """This rank's node, process, control segment and exported memory, for the controller to relay."""
+        self._check_open()
+        if self.plan is None:
+            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before local_roster_entry()")
+        dev = self.device.index if self.device.type == "cuda" else -1
+        return IpcRosterEntry(self.rank, self.name, self.node, os.getpid(), dev, self._control.name,
+                              dict(self._regions), dict(self._tensors), dict(self._staged), self._local_digest)
+
+    def update_membership(self, roster: Mapping[int, IpcRosterEntry], epoch: int) -> None:
+        """Install the roster of ``epoch``: map the peers of this rank's plan (new ones only).
+
+        Every peer must run on this node. A peer whose entry is unchanged keeps its
+        mappings; one that changed (a restarted process, a new plan) is mapped afresh and
+        the old mapping closed. No collective: the next ``run`` starts the epoch.
+        """
+        self._check_open()
+        if self.plan is None:
+            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before update_membership()")
+        epoch = int(epoch)
+        if epoch <= self.epoch:
+            raise IpcHandshakeError(f"rank {self.rank}: a new roster needs a new epoch: got {epoch}, the installed "
+                                    f"one is {self.epoch}")
+        me = roster.get(self.rank)
+        if me is None or me.name != self.name or me.digest != self._local_digest:
+            have = "none" if me is None else f"{me.name} digest {me.digest}"
+            raise IpcHandshakeError(
+                f"rank {self.rank}: the roster of epoch {epoch} carries a stale entry for this rank ({have}; this rank "
+                f"is {self.name} digest {self._local_digest}): relay the local_roster_entry() taken after the last "
+                "prepare()")
+        peers = sorted(set(self._sends) | set(self._recvs))
+        missing = [p for p in peers if p not in roster]
+        if missing:
+            raise IpcHandshakeError(f"rank {self.rank}: the roster of epoch {epoch} lacks rank(s) {missing}, which "
+                                    "this rank's plan exchanges with; rebuild the plan for this membership")
+        elsewhere = [f"{p} ({roster[p].node})" for p in peers if roster[p].node != self.node]
+        if elsewhere:
+            raise IpcHandshakeError(f"rank {self.rank} (on {self.node}): rank(s) {', '.join(elsewhere)} run on another "
+                                    "node; CUDA IPC and shared memory reach this node only (transport='auto' splits a "
+                                    "plan over IPC and a network transport)")
+        too_high = [p for p in [self.rank, *peers] if p + 1 >= CONTROL_SLOTS]
+        if too_high:
+            raise IpcHandshakeError(f"the IPC transport signals at most {CONTROL_SLOTS - 1} ranks; got rank(s) "
+                                    f"{too_high}")
+        for p in self._recvs:
+            self._check_source(roster[p])
+        old = self._peers
+        self._peers = {}
+        for p in peers:
+            e = roster[p]
+            prev = old.pop(p, None)
+            if prev is not None and prev.entry == e:
+                self._peers[p] = prev
+                continue
+            if prev is not None:
+                prev.close()
+            self._peers[p] = self._map(e)
+        for prev in old.values():
+            prev.close()
+        self._copies = {p: [self._copy_of(b, self._peers[p]) for b in bs] for p, bs in self._recvs.items()}
+        self.epoch = epoch
+        self.seq = 0
+        self._installed_digest = self._local_digest
+        self._aborted.clear()
+
+    def _check_source(self, e: IpcRosterEntry) -> None:
+        """The source's export covers every bucket this rank receives from it."""
+        mine = self._recvs[e.rank]
+        if e.device >= 0 and self.device.type != "cuda":
+            raise IpcHandshakeError(f"rank {self.rank} moves host tensors, but source rank {e.rank} exports GPU "
+                                    f"memory (cuda:{e.device}): both ends of the IPC transport must be on GPUs, or "
+                                    "the source on the host")
+        if e.device >= 0:
+            lacking = sorted({op.name for b in mine for op in b.ops} - set(e.tensors))
+            if lacking:
+                raise IpcHandshakeError(f"rank {self.rank}: source rank {e.rank} does not export {lacking[:8]}, which "
+                                        "this rank's plan reads from it: both must build their plans from the same "
+                                        "rosters")
+            return
+        bad = [b.index for b in mine if e.staged.get((self.rank, b.index), (0, 0, -1))[2] != b.nbytes]
+        if bad:
+            raise IpcHandshakeError(f"rank {self.rank}: source rank {e.rank} stages buckets that do not match this "
+                                    f"rank's plan (buckets {bad[:8]}): both must build their plans from the same "
+                                    "rosters")
+
+    def _map(self, e: IpcRosterEntry) -> _Peer:
+        live = _Liveness(e.pid)
+        if not live.alive():
+            live.close()
+            raise IpcHandshakeError(f"rank {self.rank}: peer rank {e.rank} ({e.name}, pid {e.pid}) is not running")
+        control = _Segment(e.control, create=False)
+        peer = _Peer(e, control, control.words(), live)
+        if e.rank in self._recvs:
+            try:
+                for rid, region in e.regions.items():
+                    if region[0] == "cuda":
+                        peer.mapped[rid] = _open_cuda(region)
+                    elif region[0] == "shm":
+                        peer.mapped[rid] = _Segment(region[1], create=False)
+                    else:
+                        raise IpcHandshakeError(f"rank {e.rank} exports a region of unknown kind {region[0]!r}")
+            except Exception:
+                peer.close()
+                raise
+        return peer
+
+    def _copy_of(self, b: Bucket, peer: _Peer) -> _Copy:
+        e = peer.entry
+        if e.device < 0:
+            rid, off, n = e.staged[(self.rank, b.index)]
+            return _Copy(b, [], staged=peer.mapped[rid].tensor()[off: off + n])
+        pairs = []
+        cross = self.device.type != "cuda" or self.device.index != e.device
+        for op in b.ops:
+            rid, off, dtype, shape, stride = e.tensors[op.name]
+            src = _view_of(peer.mapped[rid], off, dtype_from_name(dtype), shape, stride)[op.box.src_slices()]
+            dst = self._dst[op.name][op.box.dst_slices()]
+            pairs.append((dst, src))
+        copy = _Copy(b, pairs)
+        if cross and any(not (d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype) for d, s in pairs):
+            copy.bounce = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+        return copy
+
+    def handshake(self, exchange: Any, *, epoch: int | None = None) -> dict[int, IpcRosterEntry]:
+        """The one-time handshake: gather every rank's entry through ``exchange`` and install it.
+
+        ``exchange`` has ``all_gather_object`` (a ``StatelessProcessGroup``) or is a callable
+        ``entry -> list of entries``; it is used here only, never by ``run``.
+        """
+        entry = self.local_roster_entry()
+        gather = getattr(exchange, "all_gather_object", None)
+        gathered = gather(entry) if gather is not None else exchange(entry)
+        roster = {e.rank: e for e in gathered if e is not None}
+        self.update_membership(roster, self.epoch + 1 if epoch is None else epoch)
+        return roster
+
+    # -- deadline and abort (the watchdog's interface) ------------------------------------------
+    def set_deadline(self, deadline: float | None) -> None:
+        """``time.monotonic()`` by which ``run`` must end (``RefitAbortWatchdog`` sets it)."""
+        self._deadline = deadline
+
+    def abort(self) -> None:
+        """Make a ``run`` in progress raise ``RefitAborted`` now (idempotent; thread-safe)."""
+        self._aborted.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    @property
+    def mapped_regions(self) -> int:
+        """How many peer allocations this rank holds mapped (for leak checks)."""
+        return sum(len(p.mapped) for p in self._peers.values())
+
+    # -- one refit --------------------------------------------------------------------------------
+    def run(self, src: Mapping[str, torch.Tensor] | None = None, dst: Mapping[str, torch.Tensor] | None = None,
+            *, timeout_s: float | None = None, verify: bool | None = None,
+            corrupt: Corruption | None = None) -> TransferStats:
+        """One refit of the prepared plan; returns this rank's ``TransferStats``.
+
+        Raises ``RefitAborted`` naming the peer when one is gone or stays silent past the
+        deadline (the other peers' transfers still complete), ``IpcHandshakeError`` when
+        tensors moved without a new handshake. ``corrupt`` (tests) flips bytes of what a
+        receiver reads after the sender's checksum was taken.
+        """
+        self._check_open()
+        if self.plan is None:
+            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before run()")
+        if self._installed_digest is None:
+            raise IpcHandshakeError(f"rank {self.rank}: no handshake yet: relay local_roster_entry() through "
+                                    "update_membership() (or call handshake()) before run()")
+        if self._installed_digest != self._local_digest:
+            raise IpcHandshakeError(f"rank {self.rank}: this rank exported new memory since the roster of epoch "
+                                    f"{self.epoch}; relay the new local_roster_entry() with update_membership()")
+        if self._aborted.is_set():
+            raise RefitAborted(f"rank {self.rank}: this IPC transport was aborted; install a new membership "
+                               "(update_membership) before the next refit")
+        src = self._src if src is None else src
+        dst = self._dst if dst is None else dst
+        self._check_bound(src, dst)
+        verify = self.verify if verify is None else verify
+        seq = self.seq
+        self.seq += 1
+        self.runs += 1
+        gen = _generation(self.epoch, seq)
+        t0 = time.perf_counter()
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        if self._deadline is not None:
+            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
+        stats = TransferStats()
+        ledger = ChecksumLedger() if verify else None
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device) if cuda else None
+        failed: dict[int, str] = {}
+        restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # 1. sources: make the data readable, then publish the generation
+        stats.local_bytes = local_copies(self.plan, src, dst)
+        for peer, bs in self._sends.items():
+            for b in bs:
+                if cuda:
+                    if ledger is not None or corrupt is not None:
+                        self._sum_or_corrupt(b, src, ledger, corrupt, restore)
+                else:
+                    buf = pack_bucket(b, src, self._staged_views[(peer, b.index)], ledger=ledger,
+                                      key=(peer, b.index))
+                    if corrupt is not None:
+                        corrupt(peer, b.index, buf)
+                stats.bytes_sent += b.nbytes
+                stats.buckets_sent += 1
+        if cuda:
+            stream.synchronize()
+        self._words[0] = gen
+        # 2. receivers: take each source's blocks once it published; 3. sources: wait for 'done'
+        awaiting = set(self._recvs)
+        landing: dict[int, Any] = {}  # source -> CUDA event of its copies
+        unreported = set(self._sends)
+        last_probe = time.monotonic()
+        idle = 0
+        try:
+            while awaiting or landing or unreported:
+                progress = 0
+                for p in sorted(awaiting):
+                    have = int(self._peers[p].words[0])
+                    if have == gen:
+                        awaiting.discard(p)
+                        landing[p] = self._receive(p, dst, stats, ledger)
+                        progress += 1
+                    elif have > gen:
+                        raise IpcHandshakeError(f"{self._where(seq)}: source rank {p} published {_describe(have)}, "
+                                                "ahead of this rank: the two installed different memberships")
+                for p in list(landing):
+                    event = landing[p]
+                    if event is None or event.query():
+                        del landing[p]
+                        self._words[1 + p] = gen
+                        progress += 1
+                for p in sorted(unreported):
+                    have = int(self._peers[p].words[1 + self.rank])
+                    if have == gen:
+                        unreported.discard(p)
+                        progress += 1
+                    elif have > gen:
+                        raise IpcHandshakeError(f"{self._where(seq)}: receiver rank {p} reported {_describe(have)} "
+                                                "done, ahead of this rank: the two installed different memberships")
+                if progress:
+                    idle = 0
+                    continue
+                now = time.monotonic()
+                if self._aborted.is_set():
+                    raise RefitAborted(self._where(seq) + ": aborted; " + self._missing(awaiting, unreported, failed))
+                if deadline is not None and now >= deadline:
+                    raise RefitAborted(self._where(seq) + f": deadline of {limit:g}s passed; "
+                                       + self._missing(awaiting, unreported, failed))
+                if now - last_probe >= self.probe_interval_s:
+                    last_probe = now
+                    for p in sorted(awaiting | unreported):
+                        if not self._peers[p].live.alive():
+                            failed[p] = f"its process (pid {self._peers[p].entry.pid}) exited"
+                            awaiting.discard(p)
+                            unreported.discard(p)
+                            self._drop_mappings(p)
+                idle += 1
+                time.sleep(min(1e-3, 2e-6 * (1 << min(idle, 10))))
+        finally:
+            for view, saved in restore:
+                view.copy_(saved)
+        if failed:
+            raise RefitAborted(self._where(seq) + ": " + "; ".join(
+                f"rank {p} ({self._peers[p].entry.name}) failed: {why}" for p, why in sorted(failed.items()))
+                + ". The other peers' transfers completed.")
+        stats.zero_copy_buckets = sum(len(bs) for bs in self._recvs.values()) if cuda else 0
+        stats.staging_capacity_bytes = self._staging.nbytes if self._staging is not None else 0
+        stats.peak_staging_bytes = stats.staging_capacity_bytes
+        if ledger is not None:
+            stats.checksums_sent, stats.checksums_received = ledger.settle()
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _receive(self, peer: int, dst: TensorMap, stats: TransferStats, ledger: ChecksumLedger | None) -> Any:
+        for c in self._copies[peer]:
+            b = c.bucket
+            if c.staged is not None:
+                unpack_bucket(b, c.staged, dst, ledger=ledger if b.nbytes else None, key=(b.peer, b.index))
+            elif c.bounce is not None:
+                for op, off, (d, s) in zip(b.ops, b.offsets, c.pairs):
+                    wire = op_view(c.bounce, op, off)
+                    if s.is_contiguous() and s.dtype == wire.dtype:
+                        wire.copy_(s)  # a peer copy on the copy engines
+                    else:
+                        wire.copy_(s.contiguous())  # strided on the peer: gathered there first
+                    d.copy_(wire)
+            else:
+                for d, s in c.pairs:
+                    d.copy_(s)
+            if ledger is not None and c.staged is None and b.nbytes:
+                ledger.received((b.peer, b.index), self._gather(b, dst))
+            stats.bytes_received += b.nbytes
+            stats.buckets_received += 1
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return None
+
+    def _gather(self, b: Bucket, tensors: TensorMap, side: str = "dst") -> torch.Tensor:
+        """The bucket's wire bytes rebuilt from ``tensors`` (for checksums of the GPU path)."""
+        if self._scratch is None:
+            self._scratch = StagingPool(self.device)
+        buf = self._scratch.take(b.nbytes)
+        buf.zero_()
+        for op, off in zip(b.ops, b.offsets):
+            box = op.box.dst_slices() if side == "dst" else op.box.src_slices()
+            op_view(buf, op, off).copy_(tensors[op.name][box])
+        self._scratch.give_back(buf)
+        return buf
+
+    def _sum_or_corrupt(self, b: Bucket, src: TensorMap, ledger: ChecksumLedger | None, corrupt,
+                        restore: list) -> None:
+        if ledger is not None and b.nbytes:
+            ledger.summer((b.peer, b.index), self._gather(b, src, "src"), b.nbytes, sent=True).upto(b.nbytes)
+        if corrupt is not None and b.nbytes:
+            view = direct_view(b, src, "src")
+            if view is None:  # corrupt the first op's block (in its own dtype)
+                op: Op = b.ops[0]
+                view = src[op.name][op.box.src_slices()].reshape(-1).view(torch.uint8) \
+                    if src[op.name][op.box.src_slices()].is_contiguous() else None
+            if view is not None:
+                restore.append((view, view.clone()))
+                corrupt(b.peer, b.index, view)
+
+    def _drop_mappings(self, peer: int) -> None:
+        p = self._peers.get(peer)
+        if p is None:
+            return
+        self._copies.pop(peer, None)
+        for m in p.mapped.values():
+            if isinstance(m, _Segment):
+                m.close()
+        p.mapped.clear()
+        self._installed_digest = None  # no run before a new membership maps the survivors again
+
+    def _missing(self, awaiting, unreported, failed) -> str:
+        parts = [f"rank {p} ({self._peers[p].entry.name}) failed: {why}" for p, why in sorted(failed.items())]
+        if awaiting:
+            parts.append("no data from source rank(s) " + ", ".join(
+                f"{p} ({self._peers[p].entry.name}, pid {self._peers[p].entry.pid}: at "
+                f"{_describe(int(self._peers[p].words[0]))})" for p in sorted(awaiting)))
+        if unreported:
+            parts.append("no 'done' from receiver rank(s) " + ", ".join(
+                f"{p} ({self._peers[p].entry.name}, pid {self._peers[p].entry.pid})" for p in sorted(unreported)))
+        return "; ".join(parts) or "nothing outstanding"
+
+    def _where(self, seq: int) -> str:
+        return f"IPC refit (epoch {self.epoch}, seq {seq}) on rank {self.rank}"
+
+    def _check_bound(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
+        """On a GPU, receivers read the exported source tensors and copy into the destination
+        views mapped at the handshake: other tensors need a new handshake. (On the host the
+        sources are packed and the destinations unpacked at every run, so any tensors do.)"""
+        if self.device.type != "cuda":
+            return
+        moved = [n for n in self._tensors if src.get(n) is not self._src.get(n)]
+        moved += [n for n in {op.name for bs in self._recvs.values() for b in bs for op in b.ops}
+                  if dst.get(n) is not self._dst.get(n)]
+        if moved:
+            raise IpcHandshakeError(f"rank {self.rank}: tensor(s) {sorted(set(moved))[:8]} are not the ones exported "
+                                    "and mapped at the handshake; prepare() with the new tensors, then relay "
+                                    "local_roster_entry() with update_membership()")
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every mapping and remove this rank's segments (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._peers.values():
+            p.close()
+        self._peers, self._copies = {}, {}
+        self._keep, self._regions = [], {}
+        self._drop_staging()
+        self._words = np.zeros(0, dtype=np.int64)
+        self._control.close()
+        if self._scratch is not None:
+            self._scratch.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RefitError(f"IpcTransport of rank {self.rank} is closed")
+
+    def __enter__(self) -> IpcTransport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"IpcTransport(rank={self.rank}, name={self.name!r}, epoch={self.epoch})"
+
+
+class IpcExecutor(Executor):
+    """One plan on an ``IpcTransport``: the transport (its segments and mappings) outlives the plan."""
+
+    transport = "ipc"
+
+    def __init__(self, plan: RankPlan, ipc: IpcTransport):
+        super().__init__(plan, None)
+        self.ipc = ipc
+
+    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
+        self.ipc.prepare(self.plan, src, dst)
+
+    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
+        return self.ipc.run(self.src, self.dst, verify=verify, corrupt=corrupt)

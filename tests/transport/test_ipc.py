@@ -1,0 +1,216 @@
+"""The one-node IPC transport on real processes: host shared memory here, CUDA IPC in tests/gpu.
+
+The same plans and cases as the NIXL tests, moved by the receivers pulling from their
+sources' memory: every destination gets exactly its slice, no collective runs after the
+handshake, a dead or frozen peer is named within the deadline, and nothing grows over
+many refits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from helpers import nixl_jobs as J
+from helpers.layouts import meshes, placements_for, shapes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from refit import Replicate, Shard
+
+WORLD = 4
+DEADLINE_S = 30.0  # far above how long noticing a dead peer takes on a busy machine
+_epochs = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    with J.Procs(WORLD) as P:
+        yield P
+
+
+@st.composite
+def cases(draw):
+    params = []
+    for i in range(draw(st.integers(1, 2))):
+        shape = draw(shapes(max_ndim=3, max_size=9))
+        sm = draw(meshes(list(range(WORLD))))
+        dm = draw(meshes(list(range(WORLD))))
+        params.append({
+            "name": f"p{i}", "shape": shape, "seed": draw(st.integers(0, 1000)),
+            "src_mesh": sm.tolist(), "src_pl": draw(placements_for(sm.ndim, len(shape))),
+            "src_dtype": draw(st.sampled_from(["float32", "bfloat16", "float64"])),
+            "dst_mesh": dm.tolist(), "dst_pl": draw(placements_for(dm.ndim, len(shape))),
+            "dst_dtype": draw(st.sampled_from(["float32", "bfloat16"])),
+        })
+    return {"world": WORLD, "params": params, "bucket_bytes": draw(st.sampled_from([16, 96, 1 << 20]))}
+
+
+def _check(results):
+    for r, res in results.items():
+        assert res["error"] is None, res
+        assert res["all_ok"], (r, res["ok"])
+        assert res["collectives"] == 0, res
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cases())
+def test_ipc_reshard_matches_expected(procs, case):
+    """Every destination gets exactly its slice, twice in a row (in-place and replaced
+    sources), after one handshake; what a source sent is what its receiver got."""
+    procs.ok(J.setup, case, next(_epochs), exchange="group", transport="ipc")
+    for step in (0, 1):
+        results = procs.ok(J.refit_step, step, replace_src=bool(step))
+        _check(results)
+        for r, res in results.items():
+            for (peer, idx), value in res["sent"].items():
+                assert results[peer]["received"][(r, idx)] == value
+
+
+def _engines_case(src_mesh, engines, shape=(16, 12), twin=False):
+    """A trainer layout and one engine per entry of ``engines``; ``twin`` adds a second
+    param like ``w``: replicas take contiguous windows, so the twins come from different ones."""
+    S, R = Shard, Replicate
+    twins = [{"name": "w_twin", "shape": shape, "seed": 14, "src_mesh": src_mesh, "src_pl": [R()],
+              "src_dtype": "float32", "dsts": [{"mesh": e, "pl": [S(0)], "dtype": "float32"} for e in engines]}]
+    return {"bucket_bytes": 96, "params": (twins if twin else []) + [
+        {"name": "w", "shape": shape, "seed": 11, "src_mesh": src_mesh, "src_pl": [R()], "src_dtype": "float32",
+         "dsts": [{"mesh": e, "pl": [S(0)], "dtype": "bfloat16" if i % 2 else "float32"}
+                  for i, e in enumerate(engines)]},
+        {"name": "v", "shape": (40,), "seed": 12, "src_mesh": src_mesh, "src_pl": [R()], "src_dtype": "float32",
+         "dsts": [{"mesh": e, "pl": [R()], "dtype": "float32"} for e in engines]},
+    ]}
+
+
+def _membership(procs, case, members, epoch):
+    """The controller's part: entries up, the roster back down; no collective anywhere."""
+    infos = procs.ok(J.setup, case, epoch, members=members, ranks=members, transport="ipc")
+    roster = {r: i["entry"] for r, i in infos.items()}
+    installed = procs.ok(J.install, roster, epoch, ranks=members)
+    assert all(v["collectives"] == 0 for v in installed.values())
+    return infos
+
+
+def _refit(procs, step, ranks, **kw):
+    res = procs.ok(J.refit_step, step, ranks=ranks, **kw)
+    _check(res)
+    return res
+
+
+def _resources(group):
+    t = J._S["transport"]
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"refit-ipc-{os.getpid()}-")]
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
+            "mapped": t.mapped_regions, "segments": len(mine)}
+
+
+@pytest.mark.timeout(120)
+def test_fifty_refits_grow_nothing(procs):
+    """Handles are exchanged once: over 50 refits no rank opens a file, a mapping, a thread or a segment."""
+    case = _engines_case([0], [[1], [2, 3]])
+    _membership(procs, case, list(range(WORLD)), next(_epochs))
+    _refit(procs, 0, list(range(WORLD)))
+    before = procs.ok(_resources)
+    for step in range(1, 51):
+        _refit(procs, step, list(range(WORLD)))
+    assert procs.ok(_resources) == before
+    assert before[1]["mapped"] == 1 and before[0]["mapped"] == 0  # an engine maps its source's segment once
+
+
+def _stale_roster(group, what):
+    t = J._S["transport"]
+    e = t.local_roster_entry()
+    try:
+        if what == "other node":
+            import dataclasses
+
+            peer = {r: dataclasses.replace(v, node="elsewhere/boot") for r, v in J._S["roster"].items()
+                    if r != group.rank}
+            t.update_membership({group.rank: e, **peer}, t.epoch + 1)
+        elif what == "lacks peer":
+            t.update_membership({group.rank: e}, t.epoch + 1)
+        elif what == "old epoch":
+            t.update_membership(J._S["roster"], t.epoch)
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err)
+    return None
+
+
+def _keep_roster(group, roster):
+    J._S["roster"] = roster
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_handshake_errors_name_the_ranks(procs):
+    """A peer on another node, a roster without a peer of the plan and a reused epoch are
+    refused before any byte moves, naming the ranks; the next good roster works."""
+    case = _engines_case([0], [[1]])
+    infos = _membership(procs, case, [0, 1], next(_epochs))
+    procs.ok(_keep_roster, {r: i["entry"] for r, i in infos.items()}, ranks=[0, 1])
+    got = procs.ok(_stale_roster, "other node", ranks=[1])[1]
+    assert got[0] == "IpcHandshakeError" and "rank(s) 0 (elsewhere/boot) run on another node" in got[1], got
+    got = procs.ok(_stale_roster, "lacks peer", ranks=[0])[0]
+    assert got[0] == "IpcHandshakeError" and "lacks rank(s) [1]" in got[1], got
+    got = procs.ok(_stale_roster, "old epoch", ranks=[0])[0]
+    assert got[0] == "IpcHandshakeError" and "needs a new epoch" in got[1], got
+    _membership(procs, case, [0, 1], next(_epochs))
+    _refit(procs, 0, [0, 1])
+
+
+@pytest.mark.timeout(120)
+def test_frozen_peer_is_named_at_the_deadline(procs):
+    """A receiver that stays alive but never reads: its source raises at its deadline naming
+    it; the other receiver got its weights; the next refit over everyone works again."""
+    case = _engines_case([0], [[1], [2]])
+    members = [0, 1, 2]
+    _membership(procs, case, members, next(_epochs))
+    _refit(procs, 0, members)
+    res = procs.call(J.refit_step, 1, ranks=members, timeout_s=60,
+                     per_rank={0: {"timeout_s": 3.0}, 1: {"timeout_s": 30.0}, 2: {"fault": "freeze", "freeze_s": 5.0}})
+    src = res[0][1]
+    assert src["error"] == "RefitAborted" and "no 'done' from receiver rank(s) 2" in src["message"], src
+    assert 3.0 <= src["elapsed"] < 30.0
+    assert res[1][1]["error"] is None and res[1][1]["all_ok"]
+    _membership(procs, case, members, next(_epochs))
+    _refit(procs, 2, members)
+
+
+@pytest.mark.timeout(2 * 3 * DEADLINE_S + 60)
+def test_dead_receiver_then_dead_source(procs):
+    """A receiver and then a source die mid-refit: the survivors raise at once naming the
+    dead rank (not at the deadline), its mappings are closed, and the refit over the new
+    membership verifies. (Runs last: it kills two of the module's processes.)"""
+    P = procs
+    e = next(_epochs)
+    case = _engines_case([0], [[1], [2], [3]])
+    _membership(P, case, [0, 1, 2, 3], e)
+    _refit(P, 0, [0, 1, 2, 3])
+    res = P.call(J.refit_step, 1, ranks=[0, 1, 2, 3], timeout_s=DEADLINE_S * 3,
+                 per_rank={r: {"timeout_s": DEADLINE_S} for r in range(4)} | {2: {"fault": "die"}})
+    assert res[2][0] == "dead"
+    src = res[0][1]
+    assert src["error"] == "RefitAborted" and "rank 2" in src["message"] and "exited" in src["message"], src
+    assert src["elapsed"] < DEADLINE_S
+    for r in (1, 3):
+        assert res[r][1]["error"] is None and res[r][1]["all_ok"], res[r]
+    _membership(P, case, [0, 1, 3], e + 1)
+    _refit(P, 2, [0, 1, 3])
+    # two trainer replicas: engine 3 reads from both; the second dies mid-refit
+    case = _engines_case([0, 1], [[3]], shape=(24, 16), twin=True)
+    infos = _membership(P, case, [0, 1, 3], e + 2)
+    assert infos[3]["peers"] == [0, 1]
+    _refit(P, 3, [0, 1, 3])
+    assert P.ok(_resources, ranks=[3])[3]["mapped"] == 2
+    res = P.call(J.refit_step, 4, ranks=[0, 1, 3], timeout_s=DEADLINE_S * 3,
+                 per_rank={r: {"timeout_s": DEADLINE_S} for r in (0, 3)} | {1: {"fault": "die"}})
+    assert res[1][0] == "dead"
+    rcv = res[3][1]
+    assert rcv["error"] == "RefitAborted" and "rank 1" in rcv["message"], rcv
+    assert rcv["elapsed"] < DEADLINE_S
+    assert P.ok(_resources, ranks=[3])[3]["mapped"] == 1  # the dead source's segment is unmapped
+    assert res[0][1]["error"] is None
+    _membership(P, _engines_case([0], [[3]], shape=(24, 16), twin=True), [0, 3], e + 3)
+    _refit(P, 5, [0, 3])
