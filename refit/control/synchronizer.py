@@ -25,6 +25,7 @@ from refit.membership import NoSurvivingShards, RefitMembership, desired_members
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.runtime.endpoint import ConnectSpec
 from refit.runtime.handles import LocalWorker, WorkerDied
+from refit.transport.factory import ONE_SIDED
 
 __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]
 
@@ -104,9 +105,13 @@ class _SynchronizerBase:
         connect_timeout_s: how long a rank waits in the rendezvous of a (re)build for the
             others; defaults to ``refit_timeout_s``. A rank that dies during a rebuild
             holds the survivors there this long.
-        transport: None (the communicator: gloo / NCCL) or ``"nixl"`` (reshard only):
+        transport: None (the communicator: gloo / NCCL), ``"nixl"`` (reshard only):
             one-sided NIXL WRITEs, no collective during a transfer; every build relays the
-            ranks' NIXL roster entries (``refit.transport.nixl``). Needs ``pip install 'refit[nixl]'``.
+            ranks' NIXL roster entries (``refit.transport.nixl``; needs ``pip install
+            'refit[nixl]'``), or ``"ipc"`` (reshard only, every rank on one node): engines
+            copy their blocks straight out of the trainer's memory, CUDA IPC on GPUs (ranks
+            may share a GPU: colocated training and generation), shared memory on the host
+            (``refit.transport.ipc``).
         backend: the communicator's backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (each
             worker is asked once where its tensors live: NCCL when all are on GPUs, gloo
             when all are on the host; a mix, or two ranks on one GPU under NCCL, is refused
@@ -136,10 +141,10 @@ class _SynchronizerBase:
             raise RefitError("a synchronizer needs at least one generation shard, each with at least one worker")
         if refit_timeout_s is not None and refit_timeout_s <= 0:
             raise RefitError(f"refit_timeout_s must be positive or None, got {refit_timeout_s!r}")
-        if transport not in (None, "nixl"):
-            raise RefitError(f"transport must be None or 'nixl', got {transport!r}")
-        if transport == "nixl" and self.mode != "reshard":
-            raise RefitError("transport='nixl' moves the shard-to-shard plans; use ReshardWeightSynchronizer")
+        if transport not in (None, *ONE_SIDED):
+            raise RefitError(f"transport must be None, 'nixl' or 'ipc', got {transport!r}")
+        if transport in ONE_SIDED and self.mode != "reshard":
+            raise RefitError(f"transport={transport!r} moves the shard-to-shard plans; use ReshardWeightSynchronizer")
         if backend not in ("auto", "gloo", "nccl"):
             raise RefitError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         self.transport = transport
@@ -409,19 +414,20 @@ class _SynchronizerBase:
         # what each bucket carries only changes with the plan: kept for the verification reports
         self._bucket_params = {m.rank: {"send_params": prepared[m]["send_params"],
                                         "recv_params": prepared[m]["recv_params"]} for m in members}
-        if self.transport == "nixl":
-            # every rank registers its buffers for the new plan; the controller relays the
-            # roster (agent metadata + receive descriptors): new peers load point to point
-            entries = self._round("nixl handshake", self._call_all(members, "refit_nixl_entry", epoch), timeout)
+        if self.transport in ONE_SIDED:
+            # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
+            # controller relays the roster: new peers are loaded or mapped point to point
+            entries = self._round(f"{self.transport} handshake", self._call_all(members, "refit_peer_entry", epoch),
+                                  timeout)
             roster = self._share({e.rank: e for e in entries.values()})
-            self._round("nixl membership", self._call_all(members, "refit_nixl_membership", roster, epoch),
-                        timeout)
+            self._round(f"{self.transport} membership",
+                        self._call_all(members, "refit_peer_membership", roster, epoch), timeout)
         self._built, self._members = membership, members
         self._initialized, self._broken = True, False
 
     def _backend_for(self, members: Sequence[_Member], timeout: float) -> str:
         """The backend of this build; with NIXL the communicator only carries control (gloo)."""
-        if self.transport == "nixl" or self.backend == "gloo":
+        if self.transport in ONE_SIDED or self.backend == "gloo":
             return "gloo"
         # a worker's device does not change while its process lives: ask each worker once
         unknown = [m for m in members if id(m.worker) not in self._devices]

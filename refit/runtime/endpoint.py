@@ -51,7 +51,7 @@ from refit.runtime.handles import listening_sockets
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
-from refit.transport.factory import make_executor
+from refit.transport.factory import ONE_SIDED, make_executor
 
 __all__ = [
     "ConnectSpec",
@@ -185,7 +185,9 @@ class _State:
     inconsistent_reason: str | None = None
     committed_epoch: int = -1  # the build whose transfer was last committed and loaded
     commits: int = 0  # refits committed and loaded by this endpoint
-    nixl: Any = None  # refit.transport.nixl.NixlTransport, when the synchronizer runs transport="nixl"
+    # the transport object of a one-sided transport (NixlTransport for "nixl", IpcTransport for
+    # "ipc"): it outlives plans, and its roster entries are relayed by the controller
+    one_sided: Any = None
     quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
     # -- versions and staging (engines) --
     weights_version: int | None = None  # the version the live weights are; None until a refit commits one
@@ -394,8 +396,8 @@ class _RefitEndpoint:
             self._refit_check_epoch(epoch, "refit_prepare")
             if mode not in MODES:
                 raise RefitError(f"refit_prepare: mode must be one of {MODES}, got {mode!r}")
-            if transport == "nixl" and mode != "reshard":
-                raise RefitError("refit_prepare: transport='nixl' moves reshard plans only")
+            if transport in ONE_SIDED and mode != "reshard":
+                raise RefitError(f"refit_prepare: transport={transport!r} moves reshard plans only")
             t0 = time.perf_counter()
             rank = st.spec.rank
             st.mode = mode
@@ -425,36 +427,48 @@ class _RefitEndpoint:
             else:
                 plan = BroadcastPlan.build(index, rank)
                 send_params, recv_params = plan.params_by_bucket()
-            if transport == "nixl" and st.nixl is None:
-                from refit.transport.nixl import NixlTransport
+            if st.one_sided is not None and st.one_sided.transport != transport:
+                st.one_sided.close()
+                st.one_sided = None
+            if transport in ONE_SIDED and st.one_sided is None:
+                # no deadline of its own: the refit watchdog hands it the deadline of each transfer
+                if transport == "nixl":
+                    from refit.transport.nixl import NixlTransport
 
-                st.nixl = NixlTransport(rank, device=device, timeout_s=None)  # the refit watchdog hands it the deadline
-            executor = make_executor(plan, st.group, transport=transport, device=device, nixl=st.nixl)
+                    st.one_sided = NixlTransport(rank, device=device, timeout_s=None)
+                else:
+                    from refit.transport.ipc import IpcTransport
+
+                    st.one_sided = IpcTransport(rank, device=device, timeout_s=None)
+            executor = make_executor(plan, st.group, transport=transport, device=device,
+                                     nixl=st.one_sided if transport == "nixl" else None,
+                                     ipc=st.one_sided if transport == "ipc" else None)
             executor.prepare(*self._refit_sides(local))
             st.executor, st.bound = executor, bound
             return {"rank": rank, "bytes_to_send": plan.bytes_sent, "bytes_to_receive": plan.bytes_received,
                     "plan_s": time.perf_counter() - t0, "send_params": send_params, "recv_params": recv_params}
 
-    def refit_nixl_entry(self, epoch: int) -> Any:
-        """``transport="nixl"``: this rank's NIXL roster entry for the buffers its executor registered.
+    def refit_peer_entry(self, epoch: int) -> Any:
+        """One-sided transports (``"nixl"``, ``"ipc"``): this rank's roster entry for the memory
+        its executor registered or exported.
 
-        The NIXL agent lives as long as the endpoint (its handshake is cached); the
-        controller relays every rank's entry back through ``refit_nixl_membership``.
+        Called once per build, after ``refit_prepare``; the controller relays every rank's
+        entry back through ``refit_peer_membership``.
         """
         st = self._refit_state()
         with st.lock:
-            self._refit_check_epoch(epoch, "refit_nixl_entry")
-            if st.nixl is None or st.executor is None:
-                raise RefitError(f"refit_nixl_entry: {self._refit_label()} has no NIXL executor; "
-                                 "refit_prepare(..., transport='nixl') first")
-            return st.nixl.local_roster_entry()
+            self._refit_check_epoch(epoch, "refit_peer_entry")
+            if st.one_sided is None or st.executor is None:
+                raise RefitError(f"refit_peer_entry: {self._refit_label()} has no one-sided executor; "
+                                 f"refit_prepare(..., transport='nixl' or 'ipc') first")
+            return st.one_sided.local_roster_entry()
 
-    def refit_nixl_membership(self, roster: Mapping[int, Any], epoch: int) -> None:
-        """``transport="nixl"``: install the roster the controller relays (new peers point to point)."""
+    def refit_peer_membership(self, roster: Mapping[int, Any], epoch: int) -> None:
+        """One-sided transports: install the roster the controller relays (new peers point to point)."""
         st = self._refit_state()
         with st.lock:
-            self._refit_check_epoch(epoch, "refit_nixl_membership")
-            st.nixl.update_membership(roster, epoch)
+            self._refit_check_epoch(epoch, "refit_peer_membership")
+            st.one_sided.update_membership(roster, epoch)
 
     def refit_transfer(self, epoch: int, *, timeout_s: float | None, verify: bool = True) -> dict:
         """Move this rank's share of the weights under the refit watchdog; report checksums.
@@ -489,9 +503,9 @@ class _RefitEndpoint:
         st = self._refit_state()
         if st.executor is None:
             raise RefitError(f"{self._refit_label()}: no plan for epoch {st.epoch}; refit_prepare first")
-        # the NIXL path runs no collective: its transport is what the watchdog aborts
-        abortable = [st.nixl] if st.executor.transport == "nixl" else [st.group]
-        if st.quantized is not None and st.executor.transport == "nixl":
+        # a one-sided path runs no collective: its transport is what the watchdog aborts
+        abortable = [st.one_sided] if st.executor.transport in ONE_SIDED else [st.group]
+        if st.quantized is not None and st.executor.transport in ONE_SIDED:
             abortable.append(st.group)  # the block amaxes are merged over the communicator
         with RefitAbortWatchdog(abortable, timeout_s):
             self.on_refit_start()
@@ -547,22 +561,24 @@ class _RefitEndpoint:
         with st.lock:
             self._refit_drop_group()
             st.spec, st.epoch = None, -1
-            if st.nixl is not None:
-                st.nixl.close()
-                st.nixl = None
+            if st.one_sided is not None:
+                st.one_sided.close()
+                st.one_sided = None
 
     def refit_status(self) -> dict:
         """What this rank's refit state is: for logs, dashboards and tests.
 
         ``epoch`` of the live communicator (-1 without one), its ``backend`` (None without
-        one), the ``transport`` of the executor, and the NIXL ``agent`` name and ``rank``
-        (None without NIXL).
+        one), the ``transport`` of the executor, the NIXL agent or IPC transport name
+        (``nixl_agent`` / ``ipc_name``, None without one) and its rank in the plans.
         """
         st = self._refit_state()
         return {"epoch": st.epoch, "backend": st.group.backend if st.group is not None else None,
                 "transport": st.executor.transport if st.executor is not None else None,
-                "nixl_agent": st.nixl.agent_name if st.nixl is not None else None,
-                "nixl_rank": st.nixl.rank if st.nixl is not None else None}
+                "nixl_agent": getattr(st.one_sided, "agent_name", None),
+                "ipc_name": getattr(st.one_sided, "name", None),
+                "one_sided_rank": st.one_sided.rank if st.one_sided is not None else None,
+                "nixl_rank": st.one_sided.rank if getattr(st.one_sided, "agent_name", None) else None}
 
     def refit_abort(self) -> None:
         """Abort this rank's communicator and NIXL transport now, from any thread (idempotent).
@@ -573,8 +589,8 @@ class _RefitEndpoint:
         st = self._refit_state()
         if st.group is not None:
             st.group.abort()
-        if st.nixl is not None:
-            st.nixl.abort()
+        if st.one_sided is not None:
+            st.one_sided.abort()
 
     def refit_inject_fault(self, *, peer: int | None = None, byte: int = 0) -> None:
         """Testing: corrupt one byte of the next bucket this rank sends (to ``peer``, or to anyone)."""

@@ -15,6 +15,7 @@ from refit.transport.rounds import RoundsExecutor
 from refit.transport.streamed import StreamedExecutor
 
 TRANSPORTS = ("auto", "rounds", "streamed", "nixl", "ipc")
+ONE_SIDED = ("nixl", "ipc")  # no collective during a transfer; the controller relays their roster entries
 
 
 def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport: str = "auto",
@@ -81,4 +82,4 @@ def _options_for(transport: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-__all__ = ["TRANSPORTS", "make_executor"]
+__all__ = ["ONE_SIDED", "TRANSPORTS", "make_executor"]

@@ -87,6 +87,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PREFIX = "refit-ipc"
 CONTROL_SLOTS = 8192  # slot 0: the generation this rank published; slot 1 + r: done for source rank r
+GONE = CONTROL_SLOTS - 1  # set when this rank aborted its refit or closed: its peers stop waiting at once
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_PROBE_S = 0.05
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(control|staging)$")
@@ -493,9 +494,9 @@ class IpcTransport:
             raise IpcHandshakeError(f"rank {self.rank} (on {self.node}): rank(s) {', '.join(elsewhere)} run on another "
                                     "node; CUDA IPC and shared memory reach this node only (transport='auto' splits a "
                                     "plan over IPC and a network transport)")
-        too_high = [p for p in [self.rank, *peers] if p + 1 >= CONTROL_SLOTS]
+        too_high = [p for p in [self.rank, *peers] if p + 1 >= GONE]
         if too_high:
-            raise IpcHandshakeError(f"the IPC transport signals at most {CONTROL_SLOTS - 1} ranks; got rank(s) "
+            raise IpcHandshakeError(f"the IPC transport signals at most {GONE - 1} ranks; got rank(s) "
                                     f"{too_high}")
         for p in self._recvs:
             self._check_source(roster[p])
@@ -517,6 +518,7 @@ class IpcTransport:
         self.seq = 0
         self._installed_digest = self._local_digest
         self._aborted.clear()
+        self._words[GONE] = 0
 
     def _check_source(self, e: IpcRosterEntry) -> None:
         """The source's export covers every bucket this rank receives from it."""
@@ -595,8 +597,11 @@ class IpcTransport:
         self._deadline = deadline
 
     def abort(self) -> None:
-        """Make a ``run`` in progress raise ``RefitAborted`` now (idempotent; thread-safe)."""
+        """Make a ``run`` in progress raise ``RefitAborted`` now, and the peers waiting on this
+        rank at their next check (idempotent; thread-safe)."""
         self._aborted.set()
+        if self._words.size:
+            self._words[GONE] = 1
 
     @property
     def aborted(self) -> bool:
@@ -710,8 +715,9 @@ class IpcTransport:
                 if now - last_probe >= self.probe_interval_s:
                     last_probe = now
                     for p in sorted(awaiting | unreported):
-                        if not self._peers[p].live.alive():
-                            failed[p] = f"its process (pid {self._peers[p].entry.pid}) exited"
+                        why = self._gone(p)
+                        if why:
+                            failed[p] = why
                             awaiting.discard(p)
                             unreported.discard(p)
                             self._drop_mappings(p)
@@ -784,6 +790,14 @@ class IpcTransport:
                 restore.append((view, view.clone()))
                 corrupt(b.peer, b.index, view)
 
+    def _gone(self, peer: int) -> str | None:
+        p = self._peers[peer]
+        if not p.live.alive():
+            return f"its process (pid {p.entry.pid}) exited"
+        if p.words.size and p.words[GONE]:
+            return "it aborted its refit or closed its transport"
+        return None
+
     def _drop_mappings(self, peer: int) -> None:
         p = self._peers.get(peer)
         if p is None:
@@ -834,6 +848,8 @@ class IpcTransport:
         self._peers, self._copies = {}, {}
         self._keep, self._regions = [], {}
         self._drop_staging()
+        if self._words.size:
+            self._words[GONE] = 1
         self._words = np.zeros(0, dtype=np.int64)
         self._control.close()
         if self._scratch is not None:

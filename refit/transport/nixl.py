@@ -283,6 +283,8 @@ class NixlTransport:
         backends: NIXL backends to create (``["UCX"]``).
     """
 
+    transport = "nixl"
+
     def __init__(self, rank: int, *, device: torch.device | str | None = None, agent_name: str | None = None,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  direct: bool = True, verify: bool = False, progress_thread: bool = False,

@@ -1,0 +1,84 @@
+"""``ReshardWeightSynchronizer(transport="ipc")`` driven in-process (``LocalWorker`` endpoints).
+
+The controller relays the ranks' IPC roster entries at every build; transfers then make
+no collective call. Membership changes renumber the ranks, and the same transports follow.
+(On the host the engines read the trainers' shared-memory segments; the GPU tests run
+the same synchronizer with CUDA IPC, ranks in processes of their own.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import refit
+from refit.comm.group import StatelessProcessGroup
+from refit.control import RefitVerificationError
+from refit.errors import RefitError
+from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
+
+HIDDEN = 48
+
+
+def make(t, s, w, **kw):
+    trainers = [SyntheticTrainer(r, t, hidden=HIDDEN) for r in range(t)]
+    engines = [[SyntheticEngine(i, j, w, hidden=HIDDEN) for j in range(w)] for i in range(s)]
+    kw.setdefault("refit_timeout_s", 20.0)
+    return refit.ReshardWeightSynchronizer(trainers, engines, transport="ipc", **kw), trainers, engines
+
+
+def wrong(engines, step, shards=None):
+    shards = range(len(engines)) if shards is None else shards
+    return {(s, w): bad for s in shards for w, e in enumerate(engines[s]) if (bad := e.check_weights(step))}
+
+
+def step(trainers, n):
+    for t in trainers:
+        t.set_step(n)
+
+
+@pytest.mark.timeout(90)
+def test_ipc_sync_moves_verifies_follows_membership_and_makes_no_collective(monkeypatch):
+    sync, trainers, engines = make(2, 3, 2)
+    try:
+        sync.init_communicator()
+        calls = []
+        for name in ("all_gather_object", "broadcast_object", "broadcast", "barrier", "isend", "irecv", "p2p_group"):
+            orig = getattr(StatelessProcessGroup, name)
+            monkeypatch.setattr(StatelessProcessGroup, name,
+                                lambda self, *a, _n=name, _o=orig, **k: (calls.append(_n), _o(self, *a, **k))[1])
+        for n in (1, 2):
+            step(trainers, n)
+            res = sync.sync_weights()
+            assert res.verified and not res.rebuilt and wrong(engines, n) == {}
+        assert calls == []  # the transfers: shared control words and copies only
+        monkeypatch.undo()
+        # a shard dies: the rebuild renumbers the ranks; transports stay, plans and rosters follow
+        names = {id(e): e.refit_status()["ipc_name"] for s in engines for e in s}
+        sync.engine_workers[1][0].kill()
+        step(trainers, 3)
+        res = sync.sync_weights()
+        assert res.verified and res.rebuilt and res.shards == [0, 2] and wrong(engines, 3, [0, 2]) == {}
+        assert engines[2][1].refit_status()["one_sided_rank"] == 2 + 2 + 1  # was 2 + 4 + 1
+        assert engines[2][1].refit_status()["ipc_name"] == names[id(engines[2][1])]
+        # the shard comes back (fresh workers, fresh segments) and joins at the next sync
+        fresh = [SyntheticEngine(1, w, 2, hidden=HIDDEN) for w in range(2)]
+        sync.replace_shard(1, fresh)
+        engines[1] = fresh
+        step(trainers, 4)
+        res = sync.sync_weights()
+        assert res.verified and res.rebuilt and res.shards == [0, 1, 2] and wrong(engines, 4) == {}
+        # a flipped byte is caught by the per-bucket checksums, naming the shard
+        sync.trainer_workers[0].call("refit_inject_fault", peer=None, byte=3).result(10)
+        step(trainers, 5)
+        with pytest.raises(RefitVerificationError, match="shard"):
+            sync.sync_weights()
+    finally:
+        sync.shutdown()
+    assert all(e.refit_status()["ipc_name"] is None for s in engines for e in s)  # shutdown closed them
+
+
+def test_ipc_transport_only_for_the_reshard_path():
+    trainers = [SyntheticTrainer(0, 1, hidden=HIDDEN)]
+    engines = [[SyntheticEngine(0, 0, 1, hidden=HIDDEN)]]
+    with pytest.raises(RefitError, match="ReshardWeightSynchronizer"):
+        refit.CollectiveWeightSynchronizer(trainers, engines, transport="ipc")
