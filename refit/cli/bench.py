@@ -58,9 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed runs of each variant (vllm: refits per engine and synchronizer) [3]")
     p.add_argument("--skip-golden", action="store_true", help="do not time the golden broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--transport", choices=["nccl", "nixl"], default="nccl",
+    p.add_argument("--transport", choices=["nccl", "nixl", "ipc"], default="nccl",
                    help="with --device cuda: nixl times refit.transport.nixl's one-sided writes next to NCCL on the "
-                        "same plan (needs refit[nixl]) [nccl]")
+                        "same plan (needs refit[nixl]); ipc times refit.transport.ipc (engines copy out of the "
+                        "trainer's memory, colocated on one GPU or across the host's GPUs) against a device copy, "
+                        "NIXL, NCCL and the per-bucket hand-off; with --path sync: the synchronizer's transport "
+                        "[nccl]")
     g = p.add_argument_group("--path sync (the model and layout flags above apply too)")
     g.add_argument("--fleet", choices=["local", "process", "ray"], default="local",
                    help="local: endpoints on threads of this process; process: a process per rank, without Ray; "
@@ -92,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nixl-chunk-mib", type=positive_int, default=None, help="bytes per NIXL WRITE, MiB")
     g.add_argument("--nixl-no-staged", action="store_true", help="skip the all-staged NIXL variant")
     g.add_argument("--nixl-timeout-s", type=positive_float, default=None, help="deadline of one NIXL refit [60]")
+    g = p.add_argument_group("--device cuda --transport ipc (and --gpu-layers, -iters, -bucket-mib, -out)")
+    g.add_argument("--ipc-placement", choices=["colocated", "two-gpus"], default=None,
+                   help="trainer and engine on one GPU, or on two GPUs of the host [every one the machine has]")
+    g.add_argument("--ipc-no-nixl", action="store_true", help="skip the NIXL row on the same pair")
 
 
 # Which flags each kind of run reads (argparse dests); any other flag given is refused by name.
@@ -334,6 +341,12 @@ def print_table(result: dict) -> None:
 def run_cuda(args) -> int:
     from refit.cli import bench_gpu
 
+    if args.transport == "ipc":
+        from refit.cli import bench_ipc
+
+        refuse_unused(args, {"gpu_layers", "gpu_iters", "gpu_bucket_mib", "gpu_out", "ipc_placement", "ipc_no_nixl"},
+                      "--device cuda --transport ipc")
+        return bench_ipc.run(args)
     if args.transport == "nixl":
         refuse_unused(args, {*NIXL_FLAGS, "nixl_no_staged"}, "--device cuda --transport nixl")
         overrides = {NIXL_FLAGS[k]: getattr(args, k) for k in given_flags(args) & set(NIXL_FLAGS)}
@@ -379,7 +392,7 @@ def run(args) -> int:
     if args.device == "cuda":
         return run_cuda(args)
     if args.transport != "nccl":
-        raise ConfigError("--transport nixl needs --device cuda (the CPU bench runs over gloo)")
+        raise ConfigError(f"--transport {args.transport} needs --device cuda (the CPU bench runs over gloo)")
     refuse_unused(args, CPU_FLAGS, "--device cpu")
     for k, v in TRANSPORT_DEFAULTS.items():
         if getattr(args, k) is None:

@@ -221,10 +221,10 @@ def choose_layout(args, gpus: int) -> tuple[BenchLayout, str]:
     given = [args.src, args.dst_tp, args.dst_dp]
     layout = BenchLayout(*(g if g is not None else d for g, d in zip(given, DEFAULT_LAYOUT)))
     note = ""
-    if args.device == "cuda" and args.transport == "nixl":  # one-sided writes: ranks may share GPUs
+    if args.device == "cuda" and args.transport in ("nixl", "ipc"):  # one-sided: ranks may share GPUs
         if not gpus:
             raise FlagError("--device cuda: torch sees no GPU")
-        return layout, f"NIXL: {layout.world_size} ranks on {gpus} GPU(s), rank r on GPU r % {gpus}"
+        return layout, f"{args.transport.upper()}: {layout.world_size} ranks on {gpus} GPU(s), rank r on GPU r % {gpus}"
     if args.device == "cuda" and all(g is None for g in given) and layout.world_size > gpus:
         default, layout = layout, BenchLayout(1, 1, 1)
         note = (f"torch sees {gpus} GPU(s), one per rank over NCCL: {layout.describe()} instead of the default "
@@ -342,6 +342,8 @@ def run_sync_bench(args) -> dict:
         if not nixl_available():
             raise FlagError("--transport nixl needs NIXL (pip install 'refit[nixl]')")
         kwargs["transport"] = "nixl"
+    if args.transport == "ipc":
+        kwargs["transport"] = "ipc"
     if args.bucket_mib is not None:
         kwargs["bucket_bytes"] = int(args.bucket_mib * MIB)
     t0 = time.perf_counter()
@@ -385,6 +387,9 @@ def run_sync_bench(args) -> dict:
     checked_fig = spread([r.seconds for r in checked], nbytes)
     if args.transport == "nixl":
         device = f"{'cpu' if args.device == 'cpu' else torch.cuda.get_device_name(0)} (NIXL one-sided writes)"
+    elif args.transport == "ipc":
+        device = (f"{'cpu (shared memory)' if args.device == 'cpu' else torch.cuda.get_device_name(0) + ' (CUDA IPC)'}"
+                  ", engines copy from the trainers' memory")
     else:
         device = "cpu (gloo)" if args.device == "cpu" else f"{torch.cuda.get_device_name(0)} (NCCL, one GPU per rank)"
     return {

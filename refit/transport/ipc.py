@@ -57,6 +57,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,7 @@ from refit.transport.buckets import (
     unpack_bucket,
 )
 
-__all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "node_id"]
+__all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "export_cuda", "node_id", "open_cuda"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ CONTROL_SLOTS = 8192  # slot 0: the generation this rank published; slot 1 + r: 
 GONE = CONTROL_SLOTS - 1  # set when this rank aborted its refit or closed: its peers stop waiting at once
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_PROBE_S = 0.05
+# transports of this process by name: a peer in the same process (endpoints on threads) reads
+# the source's tensors directly, since CUDA refuses to open a process's own IPC handles
+_IN_PROCESS: weakref.WeakValueDictionary[str, IpcTransport] = weakref.WeakValueDictionary()
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(control|staging)$")
 _swept = False
 
@@ -216,7 +220,7 @@ class _Liveness:
 
 # -- CUDA IPC -------------------------------------------------------------------------------------
 
-def _export_cuda(t: torch.Tensor) -> tuple:
+def export_cuda(t: torch.Tensor) -> tuple:
     """The IPC handle of the allocation under ``t`` (the caching allocator's or an expandable segment's)."""
     got = t.untyped_storage()._share_cuda_()
     device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = got
@@ -224,7 +228,7 @@ def _export_cuda(t: torch.Tensor) -> tuple:
             bytes(event_handle), bool(event_sync))
 
 
-def _open_cuda(region: tuple) -> torch.Tensor:
+def open_cuda(region: tuple) -> torch.Tensor:
     _, device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = region
     with torch.cuda.device(device):
         storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, ref_handle, ref_offset,
@@ -355,7 +359,7 @@ class IpcTransport:
         self._recvs: dict[int, list[Bucket]] = {}
         self._src: Mapping[str, torch.Tensor] = {}
         self._dst: Mapping[str, torch.Tensor] = {}
-        self._keep: list[torch.Tensor] = []  # exported tensors: alive as long as peers may read them
+        self._keep: dict[int, torch.Tensor] = {}  # region id -> its whole storage as bytes, while peers may read it
         self._local_digest = ""
         self._installed_digest: str | None = None
         self._peers: dict[int, _Peer] = {}
@@ -364,6 +368,7 @@ class IpcTransport:
         self._aborted = threading.Event()
         self._deadline: float | None = None
         self._closed = False
+        _IN_PROCESS[self.name] = self
 
     # -- setup ------------------------------------------------------------------------------
     def prepare(self, plan: RankPlan, src: Mapping[str, torch.Tensor] | None = None,
@@ -418,14 +423,16 @@ class IpcTransport:
             # exported afresh at every prepare: an address the caching allocator freed and
             # reused may be another allocation, whose old handle would no longer open
             region_of: dict[int, int] = {}
-            keep = []
+            keep = {}
             for name in sorted({op.name for bs in self._sends.values() for b in bs for op in b.ops}):
                 t = src[name]
-                base = t.untyped_storage().data_ptr()
+                storage = t.untyped_storage()
+                base = storage.data_ptr()
                 if base not in region_of:
-                    region_of[base] = len(region_of)
-                    regions[region_of[base]] = _export_cuda(t)
-                    keep.append(t)
+                    rid = region_of[base] = len(region_of)
+                    regions[rid] = export_cuda(t)
+                    keep[rid] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),),
+                                                                                        (1,))
                 self._tensors[name] = (region_of[base], t.storage_offset() * t.element_size(),
                                        str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
             self._keep = keep
@@ -548,10 +555,13 @@ class IpcTransport:
         control = _Segment(e.control, create=False)
         peer = _Peer(e, control, control.words(), live)
         if e.rank in self._recvs:
+            local = _IN_PROCESS.get(e.name) if e.pid == os.getpid() else None
             try:
                 for rid, region in e.regions.items():
-                    if region[0] == "cuda":
-                        peer.mapped[rid] = _open_cuda(region)
+                    if region[0] == "cuda" and local is not None:
+                        peer.mapped[rid] = local._keep[rid]
+                    elif region[0] == "cuda":
+                        peer.mapped[rid] = open_cuda(region)
                     elif region[0] == "shm":
                         peer.mapped[rid] = _Segment(region[1], create=False)
                     else:
@@ -846,7 +856,8 @@ class IpcTransport:
         for p in self._peers.values():
             p.close()
         self._peers, self._copies = {}, {}
-        self._keep, self._regions = [], {}
+        self._keep, self._regions = {}, {}
+        _IN_PROCESS.pop(self.name, None)
         self._drop_staging()
         if self._words.size:
             self._words[GONE] = 1

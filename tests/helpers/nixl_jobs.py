@@ -127,10 +127,11 @@ class Counting:
 
 
 def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0, chunk_bytes=None, direct=True,
-          transport="nixl"):
+          transport="nixl", device="cpu"):
     """(Re)build this rank's plan for ``case`` over ``members`` and register its buffers.
 
-    ``transport``: ``"nixl"`` (a ``NixlTransport``) or ``"ipc"`` (an ``IpcTransport``).
+    ``transport``: ``"nixl"`` (a ``NixlTransport``) or ``"ipc"`` (an ``IpcTransport``);
+    ``device="cuda"``: this rank's tensors on GPU ``rank % GPUs`` (ranks share GPUs).
 
     ``exchange="group"``: the one-time handshake through the fleet's process group (counted);
     ``"relay"``: return the roster entry for the controller (the test) to relay.
@@ -147,15 +148,17 @@ def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0,
     index = merge_rosters(rosters(case, members), world)
     plan = build_rank_plan(index, rank, bucket_bytes=case.get("bucket_bytes", 64 << 20))
     t = _S.get("transport")
+    dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", rank % torch.cuda.device_count())
     if t is None and transport == "ipc":
-        t = _S["transport"] = IpcTransport(rank, device="cpu", timeout_s=timeout_s, verify=True)
+        t = _S["transport"] = IpcTransport(rank, device=dev, timeout_s=timeout_s, verify=True)
     if t is None:
         t = _S["transport"] = NixlTransport(rank, device="cpu", timeout_s=timeout_s, verify=True,
                                             chunk_bytes=chunk_bytes or case.get("chunk_bytes", 1 << 20),
                                             direct=direct)
     src, want = _slices(case, rank, 0, members)
-    dst = {n: torch.full(w.shape, float("nan"), dtype=w.dtype) for n, w in want.items()}
-    _S.update(case=case, src=src, dst=dst, plan=plan, members=members)
+    src = {n: v.to(dev) for n, v in src.items()}
+    dst = {n: torch.full(w.shape, float("nan"), dtype=w.dtype, device=dev) for n, w in want.items()}
+    _S.update(case=case, src=src, dst=dst, plan=plan, members=members, device=dev)
     t.prepare(plan, src, dst)
     info = {"rank": rank, "plan_key": plan.key, "agent": getattr(t, "agent_name", None) or t.name,
             "peers": plan.peers(),
@@ -198,6 +201,9 @@ def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, fre
         time.sleep(freeze_s)
         return {"rank": rank, "error": "frozen"}
     new_src, want = _slices(case, rank, step, _S["members"])
+    dev = _S.get("device", torch.device("cpu"))
+    new_src = {n: v.to(dev) for n, v in new_src.items()}
+    want = {n: v.to(dev) for n, v in want.items()}
     replace = (step % 2 == 1) if replace_src is None else replace_src
     src = _S["src"]
     for name, v in new_src.items():
