@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="move the weights with one-sided NIXL writes (pip install 'refit[nixl]'); with "
                         "--device cuda ranks then share GPUs (CUDA IPC between processes), so the whole "
                         "demo fits on as many GPUs as the largest of trainer dp*tp and engine TP")
+    p.add_argument("--colocate", action="store_true",
+                   help="trainer and engines share the GPUs (with --device cuda) or the host, as colocated RL runs "
+                        "do: engines copy the weights straight out of the trainer's memory over CUDA IPC (shared "
+                        "memory on the host), no collective; the demo fits on as many GPUs as the largest of "
+                        "trainer dp*tp and engine TP")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     p.add_argument("--start-timeout", type=positive_float, default=300.0,
                    help="seconds the trainer and engine actors may take to start (each imports torch and "
@@ -151,8 +156,8 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     progress("starting the fleet (trainer and engine actors)")
     sizes = engine_sizes(args)
     placement = {}
-    if args.device == "cuda" and args.nixl:
-        # NIXL ranks share GPUs: Ray hands out none, each actor picks its own (refit.testing.engine.shared_gpu)
+    if args.device == "cuda" and (args.nixl or args.colocate):
+        # NIXL and IPC ranks share GPUs: Ray hands out none, each actor picks its own (refit.testing.engine.shared_gpu)
         placement = {"share_gpus": gpus, "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     fleet = RayFleet(
         HFTrainerWorker, EngineWorker,
@@ -178,7 +183,7 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
 
         step = 0
         sync = ReshardWeightSynchronizer.from_fleet(fleet, refit_timeout_s=args.timeout, on_phase=on_phase,
-                                                    transport="nixl" if args.nixl else None)
+                                                    transport=one_sided_transport(args))
         progress("building communicators and the plan")
         sync.init_communicator()
         startup_s = time.monotonic() - t_start
@@ -218,7 +223,7 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     ok = all(r["verified"] and r["max_abs_logit_diff"] <= TOLERANCE and r["tokens_match"] for r in rows)
     readmitted = any(args.kill_shard in r["shards"] for r in rows if r["step"] > args.kill_step)
     return {
-        "model": args.model, "device": args.device, "transport": "nixl" if args.nixl else "communicator",
+        "model": args.model, "device": args.device, "transport": one_sided_transport(args) or "communicator",
         "logit_tolerance": TOLERANCE,
         "trainer": f"FSDP2 dp={args.trainer_dp} x TP={args.trainer_tp}",
         "engines": _describe(sizes, args.engine_ep),
@@ -227,6 +232,11 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
         "steps": rows, "all_verified_and_logits_match": ok,
         "killed_shard_readmitted": readmitted or args.kill_step in (0, args.steps),
     }
+
+
+def one_sided_transport(args) -> str | None:
+    """The synchronizer's transport for the flags: NIXL, IPC (colocated) or the communicator (None)."""
+    return "nixl" if args.nixl else "ipc" if getattr(args, "colocate", False) else None
 
 
 def _short_event(row: dict) -> str:
@@ -294,7 +304,7 @@ def _start_ray(ray, args) -> str | None:
 def gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
     """What ``--device cuda`` lacks on a cluster of ``have`` GPUs, in one line; None when it fits."""
     trainer = args.trainer_dp * args.trainer_tp
-    if args.nixl:  # ranks share GPUs; only the trainer's and each shard's own NCCL groups need distinct ones
+    if args.nixl or args.colocate:  # ranks share GPUs; only the NCCL groups (trainer, each shard) need distinct ones
         need = max(trainer, *sizes)
         why = (f"the trainer's {args.trainer_dp}x{args.trainer_tp} and every engine shard's TP group are NCCL, "
                "one rank per GPU")
@@ -307,7 +317,7 @@ def gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
                 "--engine-tp 1 --engines 1 --kill-step 0.")
     if have >= need:
         return None
-    flags = "--device cuda --nixl" if args.nixl else "--device cuda"
+    flags = "--device cuda --nixl" if args.nixl else "--device cuda --colocate" if args.colocate else "--device cuda"
     return f"{flags}: needs {need} GPUs ({why}), the Ray cluster has {have}{hint}"
 
 
@@ -329,6 +339,9 @@ def check_args(args) -> list[int]:
     not after the fleet's minutes of start-up.
     """
     sizes = engine_sizes(args)
+    if args.nixl and args.colocate:
+        raise ConfigError("--nixl and --colocate choose two transports; give one (--colocate: CUDA IPC, for ranks "
+                          "on one node)")
     if args.engine_ep and args.model != "qwen3-moe":
         raise ConfigError(f"--engine-ep splits routed experts; --model {args.model} has none (use --model qwen3-moe)")
     if args.kill_step > args.steps:

@@ -218,6 +218,7 @@ def check_args(args) -> None:
 
     unused = [flag for flag, given in (
         ("--device", args.device != "cpu"), ("--model", args.model != "llama"), ("--nixl", args.nixl),
+        ("--colocate", args.colocate),
         ("--engine-ep", args.engine_ep), ("--address", args.address is not None),
         ("--engine-tp", args.engine_tp != "2,2,1"), ("--engines", args.engines is not None),
         ("--steps", args.steps != 4), ("--kill-step", args.kill_step != 2), ("--kill-shard", args.kill_shard != 1),
