@@ -22,8 +22,8 @@ STEPS="${*:-tests bench sync demo}"
 rc=0
 step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 if step tests; then
-  timeout -s INT -k 10 300 "$PY" -m pytest -q -m gpu tests/gpu/test_ipc_gpu.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/pytest.log"
-  rc=$(( rc || $? ))
+  timeout -s INT -k 10 300 "$PY" -m pytest -v -m gpu tests/gpu/test_ipc_gpu.py -p no:cacheprovider -x --durations=0 -o faulthandler_timeout=100 > "$OUT/pytest.log" 2>&1
+  r=$?; rc=$(( rc || r )); grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|s call" "$OUT/pytest.log" | tail -30
 fi
 if step bench; then
   timeout -s INT -k 10 400 "$PY" -m refit.cli bench --device cuda --transport ipc --json > "$OUT/bench_ipc.json" 2> "$OUT/bench_ipc.err"
