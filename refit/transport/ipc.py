@@ -95,6 +95,7 @@ MAX_NAP_S = 5e-5  # the longest a waiting rank sleeps between checks: a refit of
 # transports of this process by name: a peer in the same process (endpoints on threads) reads
 # the source's tensors directly, since CUDA refuses to open a process's own IPC handles
 _IN_PROCESS: weakref.WeakValueDictionary[str, IpcTransport] = weakref.WeakValueDictionary()
+_FAILED_CAPTURES: list[Any] = []
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(control|staging)$")
 _swept = False
 
@@ -766,6 +767,8 @@ class IpcTransport:
         """
         if not self.graphs or self.device.type != "cuda" or not copies:
             return None
+        if len(_IN_PROCESS) > 1:  # endpoints on threads of one process: their CUDA work would break a capture
+            return None
         if any(c.bounce is not None or c.staged is not None for c in copies):
             return None
         graph = torch.cuda.CUDAGraph()
@@ -775,6 +778,7 @@ class IpcTransport:
                     for d, src in c.pairs:
                         d.copy_(src)
         except Exception as e:  # noqa: BLE001 - the eager copies are as correct, only slower
+            _FAILED_CAPTURES.append(graph)  # torch aborts the process when a failed capture is destroyed
             log.warning("rank %d: the copies from rank %d could not be captured as a CUDA graph (%s: %s); "
                         "they run eagerly", self.rank, peer, type(e).__name__, e)
             return None
