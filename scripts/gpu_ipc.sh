@@ -30,7 +30,7 @@ if step bench; then
   r=$?; rc=$(( rc || r )); echo "bench ipc rc=$r"; [ $r = 0 ] || tail -12 "$OUT/bench_ipc.err"
 fi
 if step sync; then
-  for t in ipc nixl; do
+  for t in ${SYNC_TRANSPORTS:-ipc nixl}; do
     timeout -s INT -k 10 240 "$PY" -m refit.cli bench --path sync --device cuda --transport $t --fleet process --json \
       > "$OUT/sync_$t.json" 2> "$OUT/sync_$t.err"
     r=$?; rc=$(( rc || r )); echo "sync $t rc=$r"; [ $r = 0 ] || tail -8 "$OUT/sync_$t.err"

@@ -370,6 +370,7 @@ class IpcTransport:
         self._peers: dict[int, _Peer] = {}
         self._copies: dict[int, list[_Copy]] = {}
         self._graphs: dict[int, Any] = {}  # source rank -> the CUDA graph of its copies
+        self._bound_sig: tuple = ()
         self._scratch: StagingPool | None = None
         self._aborted = threading.Event()
         self._deadline: float | None = None
@@ -406,8 +407,9 @@ class IpcTransport:
         self._src, self._dst = src, dst
         self._sends, self._recvs = self._by_peer(plan.sends, src, "src"), self._by_peer(plan.recvs, dst, "dst")
         self._export(src)
-        self._local_digest = _digest(self.name, sorted(self._regions.items()),
-                                     sorted(self._tensors.items()), sorted(self._staged.items()))
+        self._bound_sig = self._signature(src, dst)
+        self._local_digest = _digest(self.name, sorted(self._regions.items()), sorted(self._tensors.items()),
+                                     sorted(self._staged.items()), self._bound_sig)
 
     def _by_peer(self, buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
                  side: str) -> dict[int, list[Bucket]]:
@@ -426,20 +428,25 @@ class IpcTransport:
         self._tensors, self._staged, self._staged_views = {}, {}, {}
         regions: dict[int, tuple] = {}
         if self.device.type == "cuda":
-            # exported afresh at every prepare: an address the caching allocator freed and
-            # reused may be another allocation, whose old handle would no longer open
-            region_of: dict[int, int] = {}
+            # An allocation this transport still holds keeps its export: the address cannot
+            # be another allocation's while the storage is alive, and a handshake stays valid
+            # across rebinds to new tensor objects over the same memory (DTensor.to_local()
+            # makes one per call). Storages no longer read are let go.
+            held = {(k.data_ptr(), k.numel()): (rid, k) for rid, k in self._keep.items()}
+            exports = {rid: self._regions[rid] for rid in self._keep}
+            region_of: dict[tuple[int, int], int] = {}
             keep = {}
             for name in sorted({op.name for bs in self._sends.values() for b in bs for op in b.ops}):
                 t = src[name]
                 storage = t.untyped_storage()
-                base = storage.data_ptr()
-                if base not in region_of:
-                    rid = region_of[base] = len(region_of)
-                    regions[rid] = export_cuda(t)
-                    keep[rid] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),),
-                                                                                        (1,))
-                self._tensors[name] = (region_of[base], t.storage_offset() * t.element_size(),
+                key = (storage.data_ptr(), storage.nbytes())
+                if key not in region_of:
+                    rid = region_of[key] = len(region_of)
+                    old = held.get(key)
+                    regions[rid] = exports[old[0]] if old is not None else export_cuda(t)
+                    keep[rid] = old[1] if old is not None else torch.empty(
+                        0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+                self._tensors[name] = (region_of[key], t.storage_offset() * t.element_size(),
                                        str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
             self._keep = keep
         else:
@@ -640,6 +647,17 @@ class IpcTransport:
         tensors moved without a new handshake. ``corrupt`` (tests) flips bytes of what a
         receiver reads after the sender's checksum was taken.
         """
+        try:
+            return self._run(src, dst, timeout_s=timeout_s, verify=verify, corrupt=corrupt)
+        except BaseException:
+            # a rank that gives up says so at once: its peers stop waiting for it now, not at
+            # their deadline (a new membership clears the mark)
+            self._aborted.set()
+            if self._words.size:
+                self._words[GONE] = 1
+            raise
+
+    def _run(self, src, dst, *, timeout_s, verify, corrupt) -> TransferStats:
         self._check_open()
         if self.plan is None:
             raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before run()")
@@ -875,19 +893,30 @@ class IpcTransport:
     def _where(self, seq: int) -> str:
         return f"IPC refit (epoch {self.epoch}, seq {seq}) on rank {self.rank}"
 
+    def _signature(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> tuple:
+        """Where the memory a GPU refit reads and writes is: the exported source tensors and
+        the destination views the copies (and their graphs) were made for. On the host the
+        sources are packed and the destinations unpacked at every run, so any tensors do."""
+        if self.device is None or self.device.type != "cuda":
+            return ()
+        names = {op.name for bs in self._recvs.values() for b in bs for op in b.ops}
+        out = []
+        for n in sorted(self._tensors):
+            t = src.get(n)
+            out.append(("src", n) if t is None else ("src", n, t.untyped_storage().data_ptr(), t.storage_offset(),
+                                                     tuple(t.shape), tuple(t.stride()), t.dtype))
+        for n in sorted(names):
+            t = dst.get(n)
+            out.append(("dst", n) if t is None else ("dst", n, t.data_ptr(), tuple(t.shape), tuple(t.stride()),
+                                                     t.dtype))
+        return tuple(out)
+
     def _check_bound(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
-        """On a GPU, receivers read the exported source tensors and copy into the destination
-        views mapped at the handshake: other tensors need a new handshake. (On the host the
-        sources are packed and the destinations unpacked at every run, so any tensors do.)"""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self._signature(src, dst) == self._bound_sig:
             return
-        moved = [n for n in self._tensors if src.get(n) is not self._src.get(n)]
-        moved += [n for n in {op.name for bs in self._recvs.values() for b in bs for op in b.ops}
-                  if dst.get(n) is not self._dst.get(n)]
-        if moved:
-            raise IpcHandshakeError(f"rank {self.rank}: tensor(s) {sorted(set(moved))[:8]} are not the ones exported "
-                                    "and mapped at the handshake; prepare() with the new tensors, then relay "
-                                    "local_roster_entry() with update_membership()")
+        raise IpcHandshakeError(f"rank {self.rank}: tensors are not where they were exported and mapped at the "
+                                "handshake; prepare() with the new tensors, then relay local_roster_entry() with "
+                                "update_membership()")
 
     # -- teardown ---------------------------------------------------------------------------------
     def close(self) -> None:
