@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -111,7 +111,9 @@ class _SynchronizerBase:
             'refit[nixl]'``), or ``"ipc"`` (reshard only, every rank on one node): engines
             copy their blocks straight out of the trainer's memory, CUDA IPC on GPUs (ranks
             may share a GPU: colocated training and generation), shared memory on the host
-            (``refit.transport.ipc``).
+            (``refit.transport.ipc``); or ``"auto"`` (reshard only): the pairs inside a node
+            over IPC and the pairs between nodes over the communicator, at once (one plan,
+            split by peer). On one node the communicator then carries only control (gloo).
         backend: the communicator's backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (each
             worker is asked once where its tensors live: NCCL when all are on GPUs, gloo
             when all are on the host; a mix, or two ranks on one GPU under NCCL, is refused
@@ -141,9 +143,9 @@ class _SynchronizerBase:
             raise RefitError("a synchronizer needs at least one generation shard, each with at least one worker")
         if refit_timeout_s is not None and refit_timeout_s <= 0:
             raise RefitError(f"refit_timeout_s must be positive or None, got {refit_timeout_s!r}")
-        if transport not in (None, *ONE_SIDED):
-            raise RefitError(f"transport must be None, 'nixl' or 'ipc', got {transport!r}")
-        if transport in ONE_SIDED and self.mode != "reshard":
+        if transport not in (None, "auto", *ONE_SIDED):
+            raise RefitError(f"transport must be None, 'auto', 'nixl' or 'ipc', got {transport!r}")
+        if transport in (*ONE_SIDED, "auto") and self.mode != "reshard":
             raise RefitError(f"transport={transport!r} moves the shard-to-shard plans; use ReshardWeightSynchronizer")
         if backend not in ("auto", "gloo", "nccl"):
             raise RefitError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
@@ -408,13 +410,14 @@ class _SynchronizerBase:
             raise type(e)(f"{e} [ranks: {legend}]") from None
         self._check_coverage(index, members)
         shared = self._share(index)
+        extra = {"nodes": self._nodes(members, timeout)} if self.transport == "auto" else {}
         prepared = self._round("prepare", self._call_all(members, "refit_prepare", shared, epoch=epoch, mode=self.mode,
                                                           bucket_bytes=self.bucket_bytes,
-                                                          transport=self.transport or "auto"), timeout)
+                                                          transport=self.transport or "auto", **extra), timeout)
         # what each bucket carries only changes with the plan: kept for the verification reports
         self._bucket_params = {m.rank: {"send_params": prepared[m]["send_params"],
                                         "recv_params": prepared[m]["recv_params"]} for m in members}
-        if self.transport in ONE_SIDED:
+        if self.transport in (*ONE_SIDED, "auto"):
             # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
             # controller relays the roster: new peers are loaded or mapped point to point
             entries = self._round(f"{self.transport} handshake", self._call_all(members, "refit_peer_entry", epoch),
@@ -429,12 +432,9 @@ class _SynchronizerBase:
         """The backend of this build; with NIXL the communicator only carries control (gloo)."""
         if self.transport in ONE_SIDED or self.backend == "gloo":
             return "gloo"
-        # a worker's device does not change while its process lives: ask each worker once
-        unknown = [m for m in members if id(m.worker) not in self._devices]
-        if unknown:
-            for m, d in self._round("devices", self._call_all(unknown, "refit_device"), timeout).items():
-                self._devices[id(m.worker)] = (m.worker, d)  # the handle is held: its id stays its own
-        devices = {m: self._devices[id(m.worker)][1] for m in members}
+        devices = self._devices_of(members, timeout)
+        if self.transport == "auto" and len({_node(d) for d in devices.values()}) == 1:
+            return "gloo"  # every pair moves over IPC: the communicator carries control only
         kinds: dict[str, list[str]] = {}
         for m in members:
             kinds.setdefault(devices[m]["type"], []).append(f"{m.label} (rank {m.rank})")
@@ -454,6 +454,19 @@ class _SynchronizerBase:
                                 "communicator; give every trainer rank and engine worker its own GPU")
             seen[key] = f"{m.label} (rank {m.rank})"
         return "nccl"
+
+    def _devices_of(self, members: Sequence[_Member], timeout: float) -> dict[_Member, dict]:
+        """Every member's ``refit_device()``; a worker's device does not change while its
+        process lives, so each worker is asked once."""
+        unknown = [m for m in members if id(m.worker) not in self._devices]
+        if unknown:
+            for m, d in self._round("devices", self._call_all(unknown, "refit_device"), timeout).items():
+                self._devices[id(m.worker)] = (m.worker, d)  # the handle is held: its id stays its own
+        return {m: self._devices[id(m.worker)][1] for m in members}
+
+    def _nodes(self, members: Sequence[_Member], timeout: float) -> dict[int, str]:
+        """Each member's node, by rank (``transport="auto"`` splits the plan by it)."""
+        return {m.rank: _node(d) for m, d in self._devices_of(members, timeout).items()}
 
     def _check_coverage(self, index, members: Sequence[_Member]) -> None:
         """Every engine rank must need something, or its shard would silently receive nothing."""
@@ -777,6 +790,10 @@ class _SynchronizerBase:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _node(device: Mapping[str, Any]) -> str:
+    return device.get("node") or device["host"]
 
 
 class ReshardWeightSynchronizer(_SynchronizerBase):

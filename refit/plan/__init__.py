@@ -32,12 +32,13 @@ from refit.plan.roster import (
     min_bytes_needed,
     source_shards,
 )
+from refit.plan.split import split_plan
 from refit.plan.templates import PlanStats
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "DEFAULT_DIRECT_BYTES", "DEFAULT_STRIPE_BYTES", "Bucket", "LayoutGeometry", "Op",
     "ParamIndex", "ParamSpec", "PlanCache", "PlanStats", "RankPlan", "RosterEntry", "RosterGroup", "TensorLayout",
     "build_rank_plan", "check_local_shapes", "contiguous", "group_roster", "itemsize", "merge_rosters",
-    "min_bytes_needed", "pack_buckets", "plan_key", "reset_planner_cache", "source_shards", "split_box", "task_id",
-    "wire_dtype",
+    "min_bytes_needed", "pack_buckets", "plan_key", "reset_planner_cache", "source_shards", "split_box", "split_plan",
+    "task_id", "wire_dtype",
 ]

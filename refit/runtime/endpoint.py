@@ -52,6 +52,7 @@ from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
 from refit.transport.factory import ONE_SIDED, make_executor
+from refit.transport.ipc import node_id
 
 __all__ = [
     "ConnectSpec",
@@ -288,7 +289,7 @@ class _RefitEndpoint:
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
     def refit_device(self) -> dict:
-        """Where this rank's tensors live: ``{"type", "index", "uuid", "host"}``.
+        """Where this rank's tensors live: ``{"type", "index", "uuid", "host", "node"}``.
 
         The controller picks the communicator's backend from these (NCCL when every rank
         is on a GPU, gloo when every rank is on the host) and refuses two ranks on one
@@ -296,7 +297,7 @@ class _RefitEndpoint:
         only as "invalid usage" from inside the rendezvous, on every rank at once.
         """
         dev = self._refit_tensor_device()
-        out = {"type": dev.type, "index": None, "uuid": None, "host": socket.gethostname()}
+        out = {"type": dev.type, "index": None, "uuid": None, "host": socket.gethostname(), "node": node_id()}
         if dev.type == "cuda":
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             out.update(index=index, uuid=str(torch.cuda.get_device_properties(index).uuid))
@@ -384,12 +385,15 @@ class _RefitEndpoint:
         return group_roster(entries)  # one entry per layout: the controller reads each distinct group once
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto") -> dict:
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
+                      nodes: Mapping[int, str] | None = None) -> dict:
         """Build this rank's plan from the merged rosters, and its executor, bound to its tensors.
 
         The executor lives until the next build and runs every transfer of this one, so
         its staging and its views of the tensors are made once. What each bucket carries
         (param names, for verification reports) is returned here, once per build.
+        ``transport="auto"`` with ``nodes`` (every rank's node): the pairs inside this
+        rank's node move over IPC and the others over the communicator, at once.
         """
         st = self._refit_state()
         with st.lock:
@@ -427,12 +431,14 @@ class _RefitEndpoint:
             else:
                 plan = BroadcastPlan.build(index, rank)
                 send_params, recv_params = plan.params_by_bucket()
-            if st.one_sided is not None and st.one_sided.transport != transport:
+            split = transport == "auto" and mode == "reshard" and nodes is not None
+            wanted = "ipc" if split else transport if transport in ONE_SIDED else None
+            if st.one_sided is not None and st.one_sided.transport != wanted:
                 st.one_sided.close()
                 st.one_sided = None
-            if transport in ONE_SIDED and st.one_sided is None:
+            if wanted is not None and st.one_sided is None:
                 # no deadline of its own: the refit watchdog hands it the deadline of each transfer
-                if transport == "nixl":
+                if wanted == "nixl":
                     from refit.transport.nixl import NixlTransport
 
                     st.one_sided = NixlTransport(rank, device=device, timeout_s=None)
@@ -440,9 +446,10 @@ class _RefitEndpoint:
                     from refit.transport.ipc import IpcTransport
 
                     st.one_sided = IpcTransport(rank, device=device, timeout_s=None)
+            near = {r for r, n in nodes.items() if n == nodes.get(rank)} if split else None
             executor = make_executor(plan, st.group, transport=transport, device=device,
-                                     nixl=st.one_sided if transport == "nixl" else None,
-                                     ipc=st.one_sided if transport == "ipc" else None)
+                                     nixl=st.one_sided if wanted == "nixl" else None,
+                                     ipc=st.one_sided if wanted == "ipc" else None, near=near)
             executor.prepare(*self._refit_sides(local))
             st.executor, st.bound = executor, bound
             return {"rank": rank, "bytes_to_send": plan.bytes_sent, "bytes_to_receive": plan.bytes_received,
@@ -505,6 +512,8 @@ class _RefitEndpoint:
             raise RefitError(f"{self._refit_label()}: no plan for epoch {st.epoch}; refit_prepare first")
         # a one-sided path runs no collective: its transport is what the watchdog aborts
         abortable = [st.one_sided] if st.executor.transport in ONE_SIDED else [st.group]
+        if st.executor.transport == "split":  # this node's pairs over IPC, the others over the communicator
+            abortable = [st.one_sided, st.group]
         if st.quantized is not None and st.executor.transport in ONE_SIDED:
             abortable.append(st.group)  # the block amaxes are merged over the communicator
         with RefitAbortWatchdog(abortable, timeout_s):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
 from refit.errors import PlanError
-from refit.plan import RankPlan
+from refit.plan import RankPlan, split_plan
 from refit.transport.base import Executor
 from refit.transport.broadcast import BroadcastExecutor, BroadcastPlan
 from refit.transport.fanout import FanoutExecutor
@@ -20,14 +21,16 @@ ONE_SIDED = ("nixl", "ipc")  # no collective during a transfer; the controller r
 
 def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport: str = "auto",
                   device: torch.device | str | None = None, nixl: Any = None, ipc: Any = None,
-                  **options: Any) -> Executor:
+                  near: Collection[int] | None = None, **options: Any) -> Executor:
     """The executor of ``plan`` on this rank; made once per plan and reused every refit.
 
     ``transport``: ``"rounds"`` (host-driven rounds, gloo), ``"streamed"`` (the CUDA-stream
     pipeline over NCCL; on CPU tensors it runs on the host), ``"nixl"`` (one-sided writes
     through ``nixl``, a ``refit.transport.nixl.NixlTransport``), ``"ipc"`` (reads straight
     from the peers' memory on one node through ``ipc``, a ``refit.transport.ipc.IpcTransport``),
-    or ``"auto"``: streamed
+    or ``"auto"``: with ``ipc`` and ``near`` (the other ranks of this node), the pairs
+    with ``near`` ranks over IPC and the rest as below, both at once (``SplitExecutor``);
+    otherwise streamed
     when ``device`` is a GPU and the communicator is stream-ordered (NCCL), rounds
     otherwise. A ``BroadcastPlan`` always gets the broadcast executor and a fan-out plan
     runs its two parts on the chosen transport. ``options`` go to the executor
@@ -58,6 +61,13 @@ def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport
         if options:
             raise PlanError(f"the ipc executor takes no options, got {sorted(options)}")
         return IpcExecutor(plan, ipc)
+    if transport == "auto" and ipc is not None and near is not None:
+        from refit.transport.ipc import IpcExecutor
+        from refit.transport.split import SplitExecutor
+
+        near_plan, far_plan = split_plan(plan, near)
+        return SplitExecutor(plan, near_plan, far_plan, lambda p: IpcExecutor(p, ipc),
+                             lambda p: make_executor(p, comm, transport="auto", device=device, **options))
     if transport == "auto":
         ordered = bool(getattr(comm, "stream_ordered", False))
         transport = "streamed" if device is not None and device.type == "cuda" and ordered else "rounds"

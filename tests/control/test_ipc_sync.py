@@ -19,11 +19,11 @@ from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 HIDDEN = 48
 
 
-def make(t, s, w, **kw):
+def make(t, s, w, transport="ipc", **kw):
     trainers = [SyntheticTrainer(r, t, hidden=HIDDEN) for r in range(t)]
     engines = [[SyntheticEngine(i, j, w, hidden=HIDDEN) for j in range(w)] for i in range(s)]
     kw.setdefault("refit_timeout_s", 20.0)
-    return refit.ReshardWeightSynchronizer(trainers, engines, transport="ipc", **kw), trainers, engines
+    return refit.ReshardWeightSynchronizer(trainers, engines, transport=transport, **kw), trainers, engines
 
 
 def wrong(engines, step, shards=None):
@@ -82,3 +82,33 @@ def test_ipc_transport_only_for_the_reshard_path():
     engines = [[SyntheticEngine(0, 0, 1, hidden=HIDDEN)]]
     with pytest.raises(RefitError, match="ReshardWeightSynchronizer"):
         refit.CollectiveWeightSynchronizer(trainers, engines, transport="ipc")
+
+
+@pytest.mark.timeout(90)
+def test_auto_moves_pairs_inside_a_node_over_ipc_and_the_rest_over_the_communicator():
+    """Two "nodes" (the endpoints say so): trainer rank 1 and shard 2 on the second. Every pair
+    inside a node moves over IPC and every pair across over gloo, at once, in one refit; the
+    weights are exact, also after a shard is lost."""
+    sync, trainers, engines = make(2, 3, 1, transport="auto")
+    elsewhere = [trainers[1], engines[2][0]]
+    for e in elsewhere:
+        e.refit_device = (lambda orig: lambda: {**orig(), "node": "second-node"})(e.refit_device)
+    try:
+        for n in (1, 2):
+            step(trainers, n)
+            res = sync.sync_weights()
+            assert res.verified and wrong(engines, n) == {}
+        executors = {e: e._refit_state().executor for e in [*trainers, *(s[0] for s in engines)]}
+        assert {ex.transport for ex in executors.values()} == {"split"}
+        first, second = executors[trainers[0]], executors[trainers[1]]
+        # trainer 0 reaches shards 0 and 1 over IPC and shard 2 over gloo; trainer 1 the other way round
+        assert first.last["near"].bytes_sent > 0 and first.last["far"].bytes_sent > 0
+        assert second.last["near"].bytes_sent > 0 and second.last["far"].bytes_sent > 0
+        assert executors[engines[2][0]].last["near"].bytes_received > 0
+        assert sync.trainer_workers[0].call("refit_status").result(10)["backend"] == "gloo"
+        sync.engine_workers[1][0].kill()
+        step(trainers, 3)
+        res = sync.sync_weights()
+        assert res.verified and res.rebuilt and res.shards == [0, 2] and wrong(engines, 3, [0, 2]) == {}
+    finally:
+        sync.shutdown()
