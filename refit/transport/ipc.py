@@ -824,7 +824,7 @@ class IpcTransport:
                 for d, s in c.pairs:
                     d.copy_(s)
             if ledger is not None and c.staged is None and b.nbytes:
-                ledger.received((b.peer, b.index), self._gather(b, dst))
+                self._sum(ledger, b, dst, "dst")
             stats.bytes_received += b.nbytes
             stats.buckets_received += 1
         if self.device.type == "cuda":
@@ -833,22 +833,34 @@ class IpcTransport:
             return event
         return None
 
-    def _gather(self, b: Bucket, tensors: TensorMap, side: str = "dst") -> torch.Tensor:
-        """The bucket's wire bytes rebuilt from ``tensors`` (for checksums of the GPU path)."""
+    def _sum(self, ledger: ChecksumLedger, b: Bucket, tensors: TensorMap, side: str) -> None:
+        """The checksum of the bucket's wire bytes as ``tensors`` hold them (the GPU path packs
+        nothing): a bucket that is one contiguous block is summed in place, any other is
+        gathered into scratch first, gaps zeroed, as it would have been packed."""
+        key = (b.peer, b.index)
+        view = direct_view(b, tensors, side)
+        if view is not None:
+            (ledger.sent if side == "src" else ledger.received)(key, view)
+            return
         if self._scratch is None:
             self._scratch = StagingPool(self.device)
         buf = self._scratch.take(b.nbytes)
-        buf.zero_()
+        pos = 0
         for op, off in zip(b.ops, b.offsets):
+            if off > pos:
+                buf[pos:off].zero_()
             box = op.box.dst_slices() if side == "dst" else op.box.src_slices()
             op_view(buf, op, off).copy_(tensors[op.name][box])
+            pos = off + op.nbytes
+        if b.nbytes > pos:
+            buf[pos:b.nbytes].zero_()
+        ledger.summer(key, buf, b.nbytes, sent=side == "src").upto(b.nbytes)  # summed now, in stream order
         self._scratch.give_back(buf)
-        return buf
 
     def _sum_or_corrupt(self, b: Bucket, src: TensorMap, ledger: ChecksumLedger | None, corrupt,
                         restore: list) -> None:
         if ledger is not None and b.nbytes:
-            ledger.summer((b.peer, b.index), self._gather(b, src, "src"), b.nbytes, sent=True).upto(b.nbytes)
+            self._sum(ledger, b, src, "src")
         if corrupt is not None and b.nbytes:
             view = direct_view(b, src, "src")
             if view is None:  # corrupt the first op's block (in its own dtype)
