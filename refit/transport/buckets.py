@@ -216,6 +216,7 @@ class ChecksumLedger:
         self._sent: list[tuple[tuple[int, int], _Summer]] = []
         self._received: list[tuple[tuple[int, int], _Summer]] = []
         self._sent_views: dict[tuple[torch.device, int, int], _Summer] = {}
+        self._blocks: list[tuple[bool, tuple[int, int], list[_Summer]]] = []  # (sent, key, one summer per block)
 
     def summer(self, key: tuple[int, int], buf: torch.Tensor, nbytes: int, *, sent: bool) -> _Summer:
         s = _Summer(buf, nbytes, pieces=buf.device.type == "cpu")
@@ -239,6 +240,22 @@ class ChecksumLedger:
         """The checksum of a whole receive buffer (a block received into the tensor itself)."""
         self.summer(key, buf, buf.numel(), sent=False).upto(buf.numel())
 
+    def blocks(self, key: tuple[int, int], bufs: list[torch.Tensor], *, sent: bool) -> None:
+        """The checksum of a bucket that is never packed, from its blocks' bytes where they lie.
+
+        ``bufs`` are the blocks' wire bytes in bucket order (flat byte views, or copies of
+        strided or cast blocks). Each is summed as its own span and the sums combined with
+        odd weights by position, so a block that lands in another block's place changes the
+        value like a flipped bit does. Both ends of a bucket must use this form (the value
+        differs from a packed bucket's).
+        """
+        summers = []
+        for buf in bufs:
+            summer = _Summer(buf, buf.numel(), pieces=False)
+            summer.upto(buf.numel())
+            summers.append(summer)
+        self._blocks.append((sent, key, summers))
+
     def settle(self) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
         """Every checksum as host ints: (sent, received), each keyed (peer, bucket index).
 
@@ -247,7 +264,7 @@ class ChecksumLedger:
         instead of a few per bucket (a refit of an 8B model has hundreds of buckets, and
         launching their kernels one by one cost more than summing the bytes).
         """
-        entries = self._sent + self._received
+        entries = self._sent + self._received + [(k, x) for _, k, xs in self._blocks for x in xs]
         summers = list({id(s): s for _, s in entries}.values())  # a block sent to several peers: summed once
         values: list[int] = [0] * len(summers)
         by_device: dict[torch.device, list[int]] = {}
@@ -266,7 +283,13 @@ class ChecksumLedger:
                 values[i] = v
         value_of = {id(s): v for s, v in zip(summers, values)}
         sent = {k: value_of[id(s)] for k, s in self._sent}
-        return sent, {k: value_of[id(s)] for k, s in self._received}
+        received = {k: value_of[id(s)] for k, s in self._received}
+        for is_sent, key, block_summers in self._blocks:
+            total = len(block_summers)
+            for i, summer in enumerate(block_summers):
+                total += (2 * i + 1) * value_of[id(summer)]
+            (sent if is_sent else received)[key] = (total + (1 << 63)) % (1 << 64) - (1 << 63)  # int64, as on device
+        return sent, received
 
 
 _POOL_GRAIN = 1 << 20  # staging capacities are rounded up to this, so odd sizes share buffers

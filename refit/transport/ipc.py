@@ -835,27 +835,23 @@ class IpcTransport:
 
     def _sum(self, ledger: ChecksumLedger, b: Bucket, tensors: TensorMap, side: str) -> None:
         """The checksum of the bucket's wire bytes as ``tensors`` hold them (the GPU path packs
-        nothing): a bucket that is one contiguous block is summed in place, any other is
-        gathered into scratch first, gaps zeroed, as it would have been packed."""
-        key = (b.peer, b.index)
-        view = direct_view(b, tensors, side)
-        if view is not None:
-            (ledger.sent if side == "src" else ledger.received)(key, view)
-            return
-        if self._scratch is None:
-            self._scratch = StagingPool(self.device)
-        buf = self._scratch.take(b.nbytes)
-        pos = 0
-        for op, off in zip(b.ops, b.offsets):
-            if off > pos:
-                buf[pos:off].zero_()
-            box = op.box.dst_slices() if side == "dst" else op.box.src_slices()
-            op_view(buf, op, off).copy_(tensors[op.name][box])
-            pos = off + op.nbytes
-        if b.nbytes > pos:
-            buf[pos:b.nbytes].zero_()
-        ledger.summer(key, buf, b.nbytes, sent=side == "src").upto(b.nbytes)  # summed now, in stream order
-        self._scratch.give_back(buf)
+        nothing): block by block, each summed where it lies when it is contiguous in the wire
+        dtype, and gathered into scratch (cast) only otherwise."""
+        parts, scratch = [], []
+        for op in b.ops:
+            block = tensors[op.name][op.box.dst_slices() if side == "dst" else op.box.src_slices()]
+            wire = dtype_from_name(op.wire_dtype)
+            if block.dtype != wire or not block.is_contiguous():
+                if self._scratch is None:
+                    self._scratch = StagingPool(self.device)
+                buf = self._scratch.take(op.nbytes)
+                op_view(buf, op, 0).copy_(block)
+                scratch.append(buf)
+                block = buf
+            parts.append(block.reshape(-1).view(torch.uint8))
+        ledger.blocks((b.peer, b.index), parts, sent=side == "src")  # summed now, in stream order
+        for buf in scratch:
+            self._scratch.give_back(buf)  # reused only by work queued after the sums
 
     def _sum_or_corrupt(self, b: Bucket, src: TensorMap, ledger: ChecksumLedger | None, corrupt,
                         restore: list) -> None:
