@@ -54,7 +54,6 @@ import os
 import re
 import select
 import socket
-import threading
 import time
 import uuid
 import weakref
@@ -80,6 +79,7 @@ from refit.transport.buckets import (
     pack_bucket,
     unpack_bucket,
 )
+from refit.transport.one_sided import OneSidedTransport
 
 __all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "export_cuda", "node_id", "open_cuda"]
 
@@ -318,7 +318,7 @@ def _view_of(base: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequenc
     return flat.as_strided(tuple(shape), tuple(stride), offset // size)
 
 
-class IpcTransport:
+class IpcTransport(OneSidedTransport):
     """Runs one rank's ``RankPlan`` between processes of one node; see the module docstring.
 
     Args:
@@ -332,6 +332,7 @@ class IpcTransport:
     """
 
     transport = "ipc"
+    handshake_error = IpcHandshakeError
 
     def __init__(self, rank: int, *, device: torch.device | str | None = None,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, verify: bool = False,
@@ -340,7 +341,7 @@ class IpcTransport:
         if not _swept:
             _swept = True
             sweep_stale_segments()
-        self.rank = int(rank)
+        super().__init__(rank)
         self.name = f"refit-ipc-r{self.rank}-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
@@ -348,8 +349,6 @@ class IpcTransport:
         self.probe_interval_s = probe_interval_s
         self.graphs = graphs
         self.node = node_id()
-        self.plan: RankPlan | None = None
-        self.epoch = -1
         self.seq = 0
         self.runs = 0
         self._control = _Segment(_segment_name("control"), CONTROL_SLOTS * 8, create=True)
@@ -365,16 +364,12 @@ class IpcTransport:
         self._src: Mapping[str, torch.Tensor] = {}
         self._dst: Mapping[str, torch.Tensor] = {}
         self._keep: dict[int, torch.Tensor] = {}  # region id -> its whole storage as bytes, while peers may read it
-        self._local_digest = ""
         self._installed_digest: str | None = None
         self._peers: dict[int, _Peer] = {}
         self._copies: dict[int, list[_Copy]] = {}
         self._graphs: dict[int, Any] = {}  # source rank -> the CUDA graph of its copies
         self._bound_sig: tuple = ()
         self._scratch: StagingPool | None = None
-        self._aborted = threading.Event()
-        self._deadline: float | None = None
-        self._closed = False
         _IN_PROCESS[self.name] = self
 
     # -- setup ------------------------------------------------------------------------------
@@ -474,6 +469,14 @@ class IpcTransport:
             self._staging.close()
             self._staging = None
 
+    @property
+    def identity(self) -> str:
+        return self.name
+
+    @staticmethod
+    def entry_identity(entry: IpcRosterEntry) -> str:
+        return entry.name
+
     def local_roster_entry(self) -> IpcRosterEntry:
         """This rank's node, process, control segment and exported memory, for the controller to relay."""
         self._check_open()
@@ -490,25 +493,8 @@ class IpcTransport:
         mappings; one that changed (a restarted process, a new plan) is mapped afresh and
         the old mapping closed. No collective: the next ``run`` starts the epoch.
         """
-        self._check_open()
-        if self.plan is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before update_membership()")
-        epoch = int(epoch)
-        if epoch <= self.epoch:
-            raise IpcHandshakeError(f"rank {self.rank}: a new roster needs a new epoch: got {epoch}, the installed "
-                                    f"one is {self.epoch}")
-        me = roster.get(self.rank)
-        if me is None or me.name != self.name or me.digest != self._local_digest:
-            have = "none" if me is None else f"{me.name} digest {me.digest}"
-            raise IpcHandshakeError(
-                f"rank {self.rank}: the roster of epoch {epoch} carries a stale entry for this rank ({have}; this rank "
-                f"is {self.name} digest {self._local_digest}): relay the local_roster_entry() taken after the last "
-                "prepare()")
         peers = sorted(set(self._sends) | set(self._recvs))
-        missing = [p for p in peers if p not in roster]
-        if missing:
-            raise IpcHandshakeError(f"rank {self.rank}: the roster of epoch {epoch} lacks rank(s) {missing}, which "
-                                    "this rank's plan exchanges with; rebuild the plan for this membership")
+        epoch = self._check_roster(roster, epoch, peers)
         elsewhere = [f"{p} ({roster[p].node})" for p in peers if roster[p].node != self.node]
         if elsewhere:
             raise IpcHandshakeError(f"rank {self.rank} (on {self.node}): rank(s) {', '.join(elsewhere)} run on another "
@@ -602,34 +588,12 @@ class IpcTransport:
             copy.bounce = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
         return copy
 
-    def handshake(self, exchange: Any, *, epoch: int | None = None) -> dict[int, IpcRosterEntry]:
-        """The one-time handshake: gather every rank's entry through ``exchange`` and install it.
-
-        ``exchange`` has ``all_gather_object`` (a ``StatelessProcessGroup``) or is a callable
-        ``entry -> list of entries``; it is used here only, never by ``run``.
-        """
-        entry = self.local_roster_entry()
-        gather = getattr(exchange, "all_gather_object", None)
-        gathered = gather(entry) if gather is not None else exchange(entry)
-        roster = {e.rank: e for e in gathered if e is not None}
-        self.update_membership(roster, self.epoch + 1 if epoch is None else epoch)
-        return roster
-
-    # -- deadline and abort (the watchdog's interface) ------------------------------------------
-    def set_deadline(self, deadline: float | None) -> None:
-        """``time.monotonic()`` by which ``run`` must end (``RefitAbortWatchdog`` sets it)."""
-        self._deadline = deadline
-
     def abort(self) -> None:
         """Make a ``run`` in progress raise ``RefitAborted`` now, and the peers waiting on this
         rank at their next check (idempotent; thread-safe)."""
-        self._aborted.set()
+        super().abort()
         if self._words.size:
             self._words[GONE] = 1
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted.is_set()
 
     @property
     def mapped_regions(self) -> int:
@@ -944,16 +908,6 @@ class IpcTransport:
         self._control.close()
         if self._scratch is not None:
             self._scratch.release()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RefitError(f"IpcTransport of rank {self.rank} is closed")
-
-    def __enter__(self) -> IpcTransport:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:

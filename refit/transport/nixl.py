@@ -56,7 +56,6 @@ import hashlib
 import importlib
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -70,6 +69,7 @@ from refit.errors import PlanError, RefitAborted, RefitError, TransportError
 from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
 from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, pack_bucket, unpack_bucket
+from refit.transport.one_sided import OneSidedTransport
 
 __all__ = [
     "NixlExecutor",
@@ -261,7 +261,7 @@ def _chunks(peer: int, slots: Sequence[_Slot], chunk_bytes: int) -> list[_Chunk]
 
 # -- the transport ---------------------------------------------------------------------------------
 
-class NixlTransport:
+class NixlTransport(OneSidedTransport):
     """Runs one rank's ``RankPlan`` with NIXL one-sided WRITEs; see the module docstring.
 
     Args:
@@ -284,6 +284,7 @@ class NixlTransport:
     """
 
     transport = "nixl"
+    handshake_error = NixlHandshakeError
 
     def __init__(self, rank: int, *, device: torch.device | str | None = None, agent_name: str | None = None,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -291,7 +292,7 @@ class NixlTransport:
                  backends: Sequence[str] = ("UCX",), probe_interval_s: float = DEFAULT_PROBE_S):
         if chunk_bytes < 1:
             raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
-        self.rank = int(rank)
+        super().__init__(rank)
         self.agent_name = agent_name or f"refit-nixl-r{self.rank}-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
@@ -303,8 +304,6 @@ class NixlTransport:
         self._backends = list(backends)
         self._nixl = load_nixl()
         self.agent = None
-        self.plan: RankPlan | None = None
-        self.epoch = -1
         self.seq = 0
         self.runs = 0
         self._mem_type = "DRAM"
@@ -313,7 +312,6 @@ class NixlTransport:
         self._recvs: dict[int, _Pair] = {}
         self._regs: dict[int, tuple[Any, Any]] = {}  # storage ptr -> (registration, keep-alive)
         self._recv_descs: dict[tuple[int, int], tuple[int, int, int]] = {}
-        self._local_digest = ""
         self._installed_digest: str | None = None
         self._remotes: dict[int, _Remote] = {}  # plan peers by rank, from the installed roster
         self._loaded: dict[str, bytes] = {}  # remote agents loaded into NIXL: name -> metadata
@@ -321,9 +319,6 @@ class NixlTransport:
         self._inbox: dict[tuple[bytes, int, int, int], list[tuple[str, bytes]]] = {}
         self._src: Mapping[str, torch.Tensor] = {}
         self._dst: Mapping[str, torch.Tensor] = {}
-        self._aborted = threading.Event()
-        self._deadline: float | None = None
-        self._closed = False
         if self.device is not None:
             self._start(self.device)
 
@@ -454,6 +449,14 @@ class NixlTransport:
             pairs[peer] = pair
         return pairs
 
+    @property
+    def identity(self) -> str:
+        return self.agent_name
+
+    @staticmethod
+    def entry_identity(entry: NixlRosterEntry) -> str:
+        return entry.agent_name
+
     def local_roster_entry(self) -> NixlRosterEntry:
         """This rank's agent metadata and receive descriptors, for the controller to relay."""
         self._check_open()
@@ -470,25 +473,8 @@ class NixlTransport:
         collective: a node that joins only needs the new roster and a plan that counts
         it, and is in step at the next ``run`` (sequence numbers restart with the epoch).
         """
-        self._check_open()
-        if self.plan is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before update_membership()")
-        epoch = int(epoch)
-        if epoch <= self.epoch:
-            raise NixlHandshakeError(f"rank {self.rank}: a new roster needs a new epoch: got {epoch}, the installed "
-                                     f"one is {self.epoch}")
-        me = roster.get(self.rank)
-        if me is None or me.agent_name != self.agent_name or me.digest != self._local_digest:
-            have = "none" if me is None else f"{me.agent_name} digest {me.digest}"
-            raise NixlHandshakeError(
-                f"rank {self.rank}: the roster of epoch {epoch} carries a stale entry for this rank ({have}; this "
-                f"rank is {self.agent_name} digest {self._local_digest}): relay the local_roster_entry() taken "
-                "after the last prepare()")
         peers = sorted(set(self._sends) | set(self._recvs))
-        missing = [p for p in peers if p not in roster]
-        if missing:
-            raise NixlHandshakeError(f"rank {self.rank}: the roster of epoch {epoch} lacks rank(s) {missing}, which "
-                                     "this rank's plan exchanges with; rebuild the plan for this membership")
+        epoch = self._check_roster(roster, epoch, peers)
         for p, pair in self._sends.items():
             e = roster[p]
             mine = {k for k in e.recv_descs if k[0] == self.rank}
@@ -540,37 +526,6 @@ class NixlTransport:
             self.agent.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001 - a dead agent may be gone already
             log.debug("remove_remote_agent(%s): %s", name, e)
-
-    def handshake(self, exchange: Any, *, epoch: int | None = None) -> dict[int, NixlRosterEntry]:
-        """The one-time handshake: gather every rank's entry through ``exchange`` and install it.
-
-        ``exchange`` is anything with ``all_gather_object`` (a ``StatelessProcessGroup``, a
-        torch group wrapper) or a callable ``entry -> list of entries``; it is used once
-        here, never by ``run``. Every rank of the exchange calls this (a rank with nothing
-        to move passes its empty plan). Returns the roster.
-        """
-        entry = self.local_roster_entry()
-        gather = getattr(exchange, "all_gather_object", None)
-        gathered = gather(entry) if gather is not None else exchange(entry)
-        roster = {e.rank: e for e in gathered if e is not None}
-        self.update_membership(roster, self.epoch + 1 if epoch is None else epoch)
-        return roster
-
-    # -- deadline and abort (the watchdog's interface) ----------------------------------------
-    def set_deadline(self, deadline: float | None) -> None:
-        """``time.monotonic()`` by which ``run`` must end (``RefitAbortWatchdog`` sets it)."""
-        self._deadline = deadline
-
-    def abort(self) -> None:
-        """Make a ``run`` in progress raise ``RefitAborted`` now (idempotent; thread-safe).
-
-        The transport stays unusable until ``update_membership`` installs a new roster.
-        """
-        self._aborted.set()
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted.is_set()
 
     # -- notifications -------------------------------------------------------------------------
     def _msg(self, kind: bytes, seq: int, extra: str = "") -> bytes:
@@ -943,16 +898,6 @@ class NixlTransport:
         self._remotes = {}
         self._deregister(list(self._regs))
         self.agent = None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RefitError(f"NixlTransport of rank {self.rank} is closed")
-
-    def __enter__(self) -> NixlTransport:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"NixlTransport(rank={self.rank}, agent={self.agent_name!r}, epoch={self.epoch})"

@@ -8,7 +8,6 @@ and with expandable segments.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 
@@ -46,24 +45,10 @@ CASES = [
 ]
 
 
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module", params=["caching", "expandable"])
 def procs(request):
     conf = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if request.param == "expandable" else {}
-    with _env(**conf):
+    with J.environment(**conf):
         P = J.Procs(WORLD)
     with P:
         P.allocator = request.param

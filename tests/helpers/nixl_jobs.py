@@ -9,6 +9,7 @@ this module for the life of its process.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -66,6 +67,49 @@ def collectives() -> int:
 
 
 # -- cases ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def environment(**values):
+    """``os.environ`` with ``values`` set inside the block (the processes it starts inherit them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def transfer_cases(world: int, *, chunks: bool = False):
+    """A hypothesis strategy: one or two params, each from a random layout over ``world`` ranks to
+    another, with casts (``chunks``: also NIXL's bytes per WRITE)."""
+    from hypothesis import strategies as st
+
+    from helpers.layouts import meshes, placements_for, shapes
+
+    @st.composite
+    def cases(draw):
+        params = []
+        for i in range(draw(st.integers(1, 2))):
+            shape = draw(shapes(max_ndim=3, max_size=9))
+            sm = draw(meshes(list(range(world))))
+            dm = draw(meshes(list(range(world))))
+            params.append({
+                "name": f"p{i}", "shape": shape, "seed": draw(st.integers(0, 1000)),
+                "src_mesh": sm.tolist(), "src_pl": draw(placements_for(sm.ndim, len(shape))),
+                "src_dtype": draw(st.sampled_from(["float32", "bfloat16", "float64"])),
+                "dst_mesh": dm.tolist(), "dst_pl": draw(placements_for(dm.ndim, len(shape))),
+                "dst_dtype": draw(st.sampled_from(["float32", "bfloat16"])),
+            })
+        case = {"world": world, "params": params, "bucket_bytes": draw(st.sampled_from([16, 96, 1 << 20]))}
+        if chunks:
+            case["chunk_bytes"] = draw(st.sampled_from([1, 200, 1 << 20]))
+        return case
+
+    return cases()
 
 def _dsts(p, members=None):
     """A param's destination layouts: ``dsts`` (a list of {mesh, pl, dtype}) or one ``dst_*``

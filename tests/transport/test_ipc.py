@@ -13,9 +13,7 @@ import os
 
 import pytest
 from helpers import nixl_jobs as J
-from helpers.layouts import meshes, placements_for, shapes
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from refit import Replicate, Shard
 
@@ -30,23 +28,6 @@ def procs():
         yield P
 
 
-@st.composite
-def cases(draw):
-    params = []
-    for i in range(draw(st.integers(1, 2))):
-        shape = draw(shapes(max_ndim=3, max_size=9))
-        sm = draw(meshes(list(range(WORLD))))
-        dm = draw(meshes(list(range(WORLD))))
-        params.append({
-            "name": f"p{i}", "shape": shape, "seed": draw(st.integers(0, 1000)),
-            "src_mesh": sm.tolist(), "src_pl": draw(placements_for(sm.ndim, len(shape))),
-            "src_dtype": draw(st.sampled_from(["float32", "bfloat16", "float64"])),
-            "dst_mesh": dm.tolist(), "dst_pl": draw(placements_for(dm.ndim, len(shape))),
-            "dst_dtype": draw(st.sampled_from(["float32", "bfloat16"])),
-        })
-    return {"world": WORLD, "params": params, "bucket_bytes": draw(st.sampled_from([16, 96, 1 << 20]))}
-
-
 def _check(results):
     for r, res in results.items():
         assert res["error"] is None, res
@@ -56,7 +37,7 @@ def _check(results):
 
 @pytest.mark.timeout(120)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cases())
+@given(J.transfer_cases(WORLD))
 def test_ipc_reshard_matches_expected(procs, case):
     """Every destination gets exactly its slice, twice in a row (in-place and replaced
     sources), after one handshake; what a source sent is what its receiver got."""

@@ -8,13 +8,10 @@ source, each followed by a refit over the new membership that completes and veri
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from refit.transport.nixl import nixl_available
 
@@ -22,7 +19,6 @@ if not nixl_available():
     pytest.skip("NIXL is not installed (pip install 'refit[nixl]')", allow_module_level=True)
 
 from helpers import nixl_jobs as J  # noqa: E402
-from helpers.layouts import meshes, placements_for, shapes  # noqa: E402
 
 from refit import Replicate, Shard  # noqa: E402
 
@@ -31,47 +27,15 @@ DEADLINE_S = 30.0  # far above how long noticing a dead peer takes on a busy mac
 _epochs = itertools.count(1)
 
 
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def procs():
     """Four processes for the whole module (process start dominates on a small machine); the
     test that kills ranks runs last."""
     # a small in-place threshold, so the tiny tensors of the cases take the zero-copy path too
-    with _env(REFIT_DIRECT_BYTES="64"):
+    with J.environment(REFIT_DIRECT_BYTES="64"):
         P = J.Procs(WORLD)
     with P:
         yield P
-
-
-@st.composite
-def cases(draw):
-    params = []
-    for i in range(draw(st.integers(1, 2))):
-        shape = draw(shapes(max_ndim=3, max_size=9))
-        sm = draw(meshes(list(range(WORLD))))
-        dm = draw(meshes(list(range(WORLD))))
-        params.append({
-            "name": f"p{i}", "shape": shape, "seed": draw(st.integers(0, 1000)),
-            "src_mesh": sm.tolist(), "src_pl": draw(placements_for(sm.ndim, len(shape))),
-            "src_dtype": draw(st.sampled_from(["float32", "bfloat16", "float64"])),
-            "dst_mesh": dm.tolist(), "dst_pl": draw(placements_for(dm.ndim, len(shape))),
-            "dst_dtype": draw(st.sampled_from(["float32", "bfloat16"])),
-        })
-    return {"world": WORLD, "params": params, "bucket_bytes": draw(st.sampled_from([16, 96, 1 << 20])),
-            "chunk_bytes": draw(st.sampled_from([1, 200, 1 << 20]))}
 
 
 def _check_refit(results, case):
@@ -83,7 +47,7 @@ def _check_refit(results, case):
 
 @pytest.mark.timeout(120)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cases())
+@given(J.transfer_cases(WORLD, chunks=True))
 def test_nixl_reshard_matches_expected(procs, case):
     """Same plans as gloo, moved by NIXL WRITEs: every destination gets exactly its slice,
     twice in a row (in-place and replaced source tensors), after one handshake."""

@@ -1,9 +1,9 @@
-"""``ReshardWeightSynchronizer(transport="ipc")`` driven in-process (``LocalWorker`` endpoints).
+"""``ReshardWeightSynchronizer`` over the one-sided transports (NIXL, IPC), driven in-process.
 
-The controller relays the ranks' IPC roster entries at every build; transfers then make
-no collective call. Membership changes renumber the ranks, and the same transports follow.
-(On the host the engines read the trainers' shared-memory segments; the GPU tests run
-the same synchronizer with CUDA IPC, ranks in processes of their own.)
+The controller relays the ranks' roster entries at every build; transfers then make no
+collective call. Membership changes renumber the ranks, and the same transports (NIXL
+agents, IPC segments) follow. On the host, IPC engines read the trainers' shared-memory
+segments; the GPU tests run the same synchronizer with CUDA IPC, a process per rank.
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ from refit.comm.group import StatelessProcessGroup
 from refit.control import RefitVerificationError
 from refit.errors import RefitError
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
+from refit.transport.nixl import nixl_available
 
 HIDDEN = 48
+NAME = {"nixl": "nixl_agent", "ipc": "ipc_name"}  # refit_status() key of the transport's name
+TRANSPORTS = [pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")),
+              "ipc"]
 
 
 def make(t, s, w, transport="ipc", **kw):
@@ -37,8 +41,9 @@ def step(trainers, n):
 
 
 @pytest.mark.timeout(90)
-def test_ipc_sync_moves_verifies_follows_membership_and_makes_no_collective(monkeypatch):
-    sync, trainers, engines = make(2, 3, 2)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sync_moves_verifies_follows_membership_and_makes_no_collective(monkeypatch, transport):
+    sync, trainers, engines = make(2, 3, 2, transport)
     try:
         sync.init_communicator()
         calls = []
@@ -50,17 +55,17 @@ def test_ipc_sync_moves_verifies_follows_membership_and_makes_no_collective(monk
             step(trainers, n)
             res = sync.sync_weights()
             assert res.verified and not res.rebuilt and wrong(engines, n) == {}
-        assert calls == []  # the transfers: shared control words and copies only
+        assert calls == []  # the transfers: NIXL notifications and WRITEs, or IPC control words and copies
         monkeypatch.undo()
         # a shard dies: the rebuild renumbers the ranks; transports stay, plans and rosters follow
-        names = {id(e): e.refit_status()["ipc_name"] for s in engines for e in s}
+        names = {id(e): e.refit_status()[NAME[transport]] for s in engines for e in s}
         sync.engine_workers[1][0].kill()
         step(trainers, 3)
         res = sync.sync_weights()
         assert res.verified and res.rebuilt and res.shards == [0, 2] and wrong(engines, 3, [0, 2]) == {}
         assert engines[2][1].refit_status()["one_sided_rank"] == 2 + 2 + 1  # was 2 + 4 + 1
-        assert engines[2][1].refit_status()["ipc_name"] == names[id(engines[2][1])]
-        # the shard comes back (fresh workers, fresh segments) and joins at the next sync
+        assert engines[2][1].refit_status()[NAME[transport]] == names[id(engines[2][1])]
+        # the shard comes back (fresh workers, fresh agents or segments) and joins at the next sync
         fresh = [SyntheticEngine(1, w, 2, hidden=HIDDEN) for w in range(2)]
         sync.replace_shard(1, fresh)
         engines[1] = fresh
@@ -74,14 +79,17 @@ def test_ipc_sync_moves_verifies_follows_membership_and_makes_no_collective(monk
             sync.sync_weights()
     finally:
         sync.shutdown()
-    assert all(e.refit_status()["ipc_name"] is None for s in engines for e in s)  # shutdown closed them
+    assert all(e.refit_status()[NAME[transport]] is None for s in engines for e in s)  # shutdown closed them
 
 
-def test_ipc_transport_only_for_the_reshard_path():
+def test_one_sided_transports_only_for_the_reshard_path():
     trainers = [SyntheticTrainer(0, 1, hidden=HIDDEN)]
     engines = [[SyntheticEngine(0, 0, 1, hidden=HIDDEN)]]
-    with pytest.raises(RefitError, match="ReshardWeightSynchronizer"):
-        refit.CollectiveWeightSynchronizer(trainers, engines, transport="ipc")
+    for transport in ("nixl", "ipc", "auto"):
+        with pytest.raises(RefitError, match="ReshardWeightSynchronizer"):
+            refit.CollectiveWeightSynchronizer(trainers, engines, transport=transport)
+    with pytest.raises(RefitError, match="transport must be"):
+        refit.ReshardWeightSynchronizer(trainers, engines, transport="ucx")
 
 
 @pytest.mark.timeout(90)
