@@ -205,9 +205,10 @@ class RankTensors:
         return not bad, bad[:5]
 
 
-def rank_tensors(group, cfg: dict) -> RankTensors:
-    """This rank's tensors in bf16 on its device, the trainer's filled with ``cfg["seed"]``."""
-    dev = _device(group)
+def rank_tensors(group, cfg: dict, device: torch.device | None = None) -> RankTensors:
+    """This rank's tensors in bf16 on its device (the group's, or ``device``), the trainer's
+    filled with ``cfg["seed"]``."""
+    dev = device if device is not None else _device(group)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     model = dict(cfg.get("model", {}), layers=cfg["layers"])

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from refit.cli.bench_gpu import RankTensors, _make_plan, fused_engine, hf_tensors
+from refit.cli.bench_gpu import RankTensors, _make_plan, rank_tensors
 from refit.cli.bench_sync import GB, MIB
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import new_secret
@@ -177,18 +177,8 @@ def _numel(shape) -> int:
 def ipc_rank(group, cfg: dict) -> dict:
     # ``devices`` None: host memory (the tests run the whole bench on a tiny model over gloo)
     dev = torch.device("cuda", cfg["devices"][group.rank]) if cfg["devices"] else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    model = dict(cfg.get("model", {}), layers=cfg["layers"])
-    names = hf_tensors(model)
-    src, dst, params = {}, {}, {}
-    if group.rank == 0:
-        src = {n: torch.empty(shape, dtype=torch.bfloat16, device=dev) for n, shape in names}
-    else:
-        params, dst = fused_engine(model, torch.bfloat16, dev)
-    side = RankTensors(group.rank, dev, model, names, src, dst, params)
-    side.fill(cfg["seed"])
-    _sync(dev)
+    side = rank_tensors(group, cfg, dev)
+    src, dst = side.src, side.dst
     out: dict[str, Any] = side.header()
     out["device_index"] = dev.index if dev.type == "cuda" else -1
     out["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or "default"
