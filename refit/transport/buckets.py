@@ -243,8 +243,8 @@ class ChecksumLedger:
     def blocks(self, key: tuple[int, int], bufs: list[torch.Tensor], *, sent: bool) -> None:
         """The checksum of a bucket that is never packed, from its blocks' bytes where they lie.
 
-        ``bufs`` are the blocks' wire bytes in bucket order (flat byte views, or copies of
-        strided or cast blocks). Each is summed as its own span and the sums combined with
+        ``bufs`` are the blocks' bytes in bucket order (flat byte views, or copies of strided
+        or cast blocks), in a form both ends agree on. Each is summed as its own span and the sums combined with
         odd weights by position, so a block that lands in another block's place changes the
         value like a flipped bit does. Both ends of a bucket must use this form (the value
         differs from a packed bucket's).

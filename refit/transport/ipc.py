@@ -798,18 +798,20 @@ class IpcTransport(OneSidedTransport):
         return None
 
     def _sum(self, ledger: ChecksumLedger, b: Bucket, tensors: TensorMap, side: str) -> None:
-        """The checksum of the bucket's wire bytes as ``tensors`` hold them (the GPU path packs
-        nothing): block by block, each summed where it lies when it is contiguous in the wire
-        dtype, and gathered into scratch (cast) only otherwise."""
+        """The checksum of the bucket's blocks as the destination holds them (the GPU path packs
+        nothing and has no wire dtype): block by block, each summed where it lies when it is
+        contiguous in the destination's dtype, else through scratch (the source's blocks cast
+        as the receiver's copy casts them). Summing the widened values themselves, not their
+        narrower wire form, also catches a flipped low bit of a widened value."""
         parts, scratch = [], []
         for op in b.ops:
             block = tensors[op.name][op.box.dst_slices() if side == "dst" else op.box.src_slices()]
-            wire = dtype_from_name(op.wire_dtype)
-            if block.dtype != wire or not block.is_contiguous():
+            want = dtype_from_name(op.dst_dtype)
+            if block.dtype != want or not block.is_contiguous():
                 if self._scratch is None:
                     self._scratch = StagingPool(self.device)
-                buf = self._scratch.take(op.nbytes)
-                op_view(buf, op, 0).copy_(block)
+                buf = self._scratch.take(op.box.numel * want.itemsize)
+                buf.view(want).view(op.box.shape).copy_(block)
                 scratch.append(buf)
                 block = buf
             parts.append(block.reshape(-1).view(torch.uint8))
