@@ -151,7 +151,7 @@ def test_frozen_peer_is_named_at_the_deadline(procs):
     _membership(procs, case, members, next(_epochs))
     _refit(procs, 0, members)
     res = procs.call(J.refit_step, 1, ranks=members, timeout_s=60,
-                     per_rank={0: {"timeout_s": 3.0}, 1: {"timeout_s": 30.0}, 2: {"fault": "freeze", "freeze_s": 5.0}})
+                     per_rank={0: {"timeout_s": 3.0}, 1: {"timeout_s": 30.0}, 2: {"fault": "freeze", "freeze_s": 3.5}})
     src = res[0][1]
     assert src["error"] == "RefitAborted" and "no 'done' from receiver rank(s) 2" in src["message"], src
     assert 3.0 <= src["elapsed"] < 30.0
