@@ -120,6 +120,10 @@ def load_nixl():
             errors.append(f"{name}: {e}")
             continue
         if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
+            if "NIXL_LOG_LEVEL" not in os.environ:
+                # NIXL logs every agent it creates at INFO on stdout, where `--json` commands
+                # print their result; its warnings and errors still show (NIXL_LOG_LEVEL overrides)
+                logging.getLogger("nixl").setLevel(logging.WARNING)
             return mod
         errors.append(f"{name}: no nixl_agent")
     raise NixlUnavailable(f"the NIXL transport needs NIXL: {INSTALL_HINT} ({'; '.join(errors)})")
