@@ -288,6 +288,7 @@ class _Peer:
     words: np.ndarray
     live: _Liveness
     mapped: dict[int, Any] = field(default_factory=dict)  # region id -> tensor (cuda) or _Segment (shm)
+    dropped: bool = False  # its mappings were closed when it failed: map it afresh, even under the same entry
 
     def close(self) -> None:
         self.words = np.zeros(0, dtype=np.int64)
@@ -511,7 +512,7 @@ class IpcTransport(OneSidedTransport):
         for p in peers:
             e = roster[p]
             prev = old.pop(p, None)
-            if prev is not None and prev.entry == e:
+            if prev is not None and prev.entry == e and not prev.dropped:
                 self._peers[p] = prev
                 continue
             if prev is not None:
@@ -851,6 +852,7 @@ class IpcTransport(OneSidedTransport):
             if isinstance(m, _Segment):
                 m.close()
         p.mapped.clear()
+        p.dropped = True
         self._installed_digest = None  # no run before a new membership maps the survivors again
 
     def _missing(self, awaiting, unreported, failed) -> str:

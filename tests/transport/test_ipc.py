@@ -160,6 +160,30 @@ def test_frozen_peer_is_named_at_the_deadline(procs):
     _refit(procs, 2, members)
 
 
+def _abort(group):
+    J._S["transport"].abort()
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_a_source_that_gave_up_is_mapped_again_under_the_same_entry(procs):
+    """A source aborts its refit (it lives on, with the same exports): its receiver stops
+    waiting at once and closes its mappings; the next membership, with the very same
+    entries, maps it afresh and the refit works."""
+    case = _engines_case([0], [[1]])
+    infos = _membership(procs, case, [0, 1], next(_epochs))
+    _refit(procs, 0, [0, 1])
+    procs.ok(_abort, ranks=[0])
+    res = procs.ok(J.refit_step, 1, ranks=[1], timeout_s=30.0)[1]
+    assert res["error"] == "RefitAborted" and "aborted its refit" in res["message"], res
+    assert res["elapsed"] < 30.0
+    assert procs.ok(_resources, ranks=[1])[1]["mapped"] == 0
+    roster = {r: i["entry"] for r, i in infos.items()}
+    assert procs.ok(J.install, roster, next(_epochs), ranks=[0, 1])
+    _refit(procs, 2, [0, 1])
+    assert procs.ok(_resources, ranks=[1])[1]["mapped"] == 1
+
+
 @pytest.mark.timeout(2 * 3 * DEADLINE_S + 60)
 def test_dead_receiver_then_dead_source(procs):
     """A receiver and then a source die mid-refit: the survivors raise at once naming the
@@ -245,3 +269,4 @@ def test_gpu_path_block_checksums_agree_end_to_end_and_catch_a_flip(src_dtype, d
         b = plans[2].recvs[0]
         dst[2][b.ops[0].name].reshape(-1)[:1].view(torch.uint8)[0] ^= 1
         assert sums(2, "dst")[(b.peer, b.index)] != received[2][(b.peer, b.index)]
+
