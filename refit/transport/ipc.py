@@ -645,7 +645,8 @@ class IpcTransport(OneSidedTransport):
         gen = _generation(self.epoch, seq)
         t0 = time.perf_counter()
         limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = None if limit is None else time.monotonic() + limit
+        started = time.monotonic()
+        deadline = None if limit is None else started + limit
         if self._deadline is not None:
             deadline = self._deadline if deadline is None else min(deadline, self._deadline)
         stats = TransferStats()
@@ -710,7 +711,7 @@ class IpcTransport(OneSidedTransport):
                 if self._aborted.is_set():
                     raise RefitAborted(self._where(seq) + ": aborted; " + self._missing(awaiting, unreported, failed))
                 if deadline is not None and now >= deadline:
-                    raise RefitAborted(self._where(seq) + f": deadline of {limit:g}s passed; "
+                    raise RefitAborted(self._where(seq) + f": its deadline passed ({deadline - started:.3g}s in); "
                                        + self._missing(awaiting, unreported, failed))
                 if now - last_probe >= self.probe_interval_s:
                     last_probe = now

@@ -603,7 +603,7 @@ class NixlTransport(OneSidedTransport):
         self.seq += 1
         self.runs += 1
         t0 = time.perf_counter()
-        now = time.monotonic()
+        started = now = time.monotonic()
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = None if limit is None else now + limit
         if self._deadline is not None:
@@ -711,7 +711,7 @@ class NixlTransport(OneSidedTransport):
                     raise RefitAborted(self._where(seq) + ": aborted; "
                                        + self._missing(ready, queued, posted, awaiting, failed))
                 if deadline is not None and now >= deadline:
-                    raise RefitAborted(self._where(seq) + f": deadline of {limit:g}s passed; "
+                    raise RefitAborted(self._where(seq) + f": its deadline passed ({deadline - started:.3g}s in); "
                                        + self._missing(ready, queued, posted, awaiting, failed))
                 if now - last_probe >= self.probe_interval_s:
                     last_probe = now

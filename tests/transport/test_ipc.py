@@ -270,3 +270,31 @@ def test_gpu_path_block_checksums_agree_end_to_end_and_catch_a_flip(src_dtype, d
         dst[2][b.ops[0].name].reshape(-1)[:1].view(torch.uint8)[0] ^= 1
         assert sums(2, "dst")[(b.peer, b.index)] != received[2][(b.peer, b.index)]
 
+
+
+def test_a_watchdog_deadline_alone_ends_a_wait_naming_the_silent_source():
+    """Endpoints give the transport no deadline of its own (the refit watchdog hands it one):
+    a receiver whose source never publishes raises RefitAborted at that deadline, naming it."""
+    import time
+
+    import numpy as np
+    import torch
+    from helpers.layouts import rosters_for
+
+    from refit.errors import RefitAborted
+    from refit.plan import build_rank_plan, merge_rosters
+    from refit.transport.ipc import IpcTransport
+
+    params = [("w", (8, 4), (np.array([0]), [Replicate()], "float32"), [(np.array([1]), [Replicate()], "float32")])]
+    index = merge_rosters(rosters_for(params, 2), 2)
+    plans = [build_rank_plan(index, r) for r in range(2)]
+    tensors = [({"w": torch.ones(8, 4)}, {}), ({}, {"w": torch.zeros(8, 4)})]
+    with IpcTransport(0, timeout_s=None) as source, IpcTransport(1, timeout_s=None) as receiver:
+        for t, plan, (src, dst) in zip((source, receiver), plans, tensors):
+            t.prepare(plan, src, dst)
+        roster = {0: source.local_roster_entry(), 1: receiver.local_roster_entry()}
+        for t in (source, receiver):
+            t.update_membership(roster, 1)
+        receiver.set_deadline(time.monotonic() + 0.3)
+        with pytest.raises(RefitAborted, match=r"its deadline passed .*no data from source rank\(s\) 0"):
+            receiver.run()
