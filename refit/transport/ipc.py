@@ -96,7 +96,7 @@ MAX_NAP_S = 5e-5  # the longest a waiting rank sleeps between checks: a refit of
 # the source's tensors directly, since CUDA refuses to open a process's own IPC handles
 _IN_PROCESS: weakref.WeakValueDictionary[str, IpcTransport] = weakref.WeakValueDictionary()
 _FAILED_CAPTURES: list[Any] = []
-_NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-(control|staging)$")
+_NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-[0-9a-f]+-(control|staging)$")  # pid namespace, pid
 _swept = False
 
 
@@ -165,8 +165,20 @@ class _Segment:
                 pass
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace (an inode number): pids mean something only inside one.
+
+    Containers of one pod share ``/dev/shm`` but not their pids: a pid seen in another
+    namespace says nothing about whether that process runs.
+    """
+    try:
+        return re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or "0"
+    except OSError:
+        return "0"
+
+
 def _segment_name(kind: str) -> str:
-    return f"{PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{kind}"
+    return f"{PREFIX}-{pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{kind}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -186,9 +198,10 @@ def sweep_stale_segments() -> int:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
+    ours = pid_namespace()
     for name in names:
         m = _NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and m.group(1) == ours and not _pid_alive(int(m.group(2))):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed += 1
@@ -198,17 +211,25 @@ def sweep_stale_segments() -> int:
 
 
 class _Liveness:
-    """Whether a peer process still runs: its pidfd turns readable when it exits (no pid reuse race)."""
+    """Whether a peer process still runs: its pidfd turns readable when it exits (no pid reuse race).
 
-    def __init__(self, pid: int):
+    A peer in another pid namespace cannot be watched: it counts as running, and is named
+    when it marks itself gone or at the deadline.
+    """
+
+    def __init__(self, pid: int, *, visible: bool = True):
         self.pid = pid
+        self.visible = visible
         self.fd: int | None = None
-        try:
-            self.fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self.fd = None
+        if visible:
+            try:
+                self.fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                self.fd = None
 
     def alive(self) -> bool:
+        if not self.visible:
+            return True
         if self.fd is not None:
             ready, _, _ = select.select([self.fd], [], [], 0)
             return not ready
@@ -255,6 +276,7 @@ class IpcRosterEntry:
     name: str
     node: str
     pid: int
+    pid_namespace: str
     device: int  # -1: host memory
     control: str
     regions: dict[int, tuple]
@@ -484,7 +506,7 @@ class IpcTransport(OneSidedTransport):
         if self.plan is None:
             raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before local_roster_entry()")
         dev = self.device.index if self.device.type == "cuda" else -1
-        return IpcRosterEntry(self.rank, self.name, self.node, os.getpid(), dev, self._control.name,
+        return IpcRosterEntry(self.rank, self.name, self.node, os.getpid(), pid_namespace(), dev, self._control.name,
                               dict(self._regions), dict(self._tensors), dict(self._staged), self._local_digest)
 
     def update_membership(self, roster: Mapping[int, IpcRosterEntry], epoch: int) -> None:
@@ -549,14 +571,14 @@ class IpcTransport(OneSidedTransport):
                                     "rosters")
 
     def _map(self, e: IpcRosterEntry) -> _Peer:
-        live = _Liveness(e.pid)
+        live = _Liveness(e.pid, visible=e.pid_namespace == pid_namespace())
         if not live.alive():
             live.close()
             raise IpcHandshakeError(f"rank {self.rank}: peer rank {e.rank} ({e.name}, pid {e.pid}) is not running")
         control = _Segment(e.control, create=False)
         peer = _Peer(e, control, control.words(), live)
         if e.rank in self._recvs:
-            local = _IN_PROCESS.get(e.name) if e.pid == os.getpid() else None
+            local = _IN_PROCESS.get(e.name) if e.pid == os.getpid() and e.pid_namespace == pid_namespace() else None
             try:
                 for rid, region in e.regions.items():
                     if region[0] == "cuda" and local is not None:

@@ -83,7 +83,9 @@ def _refit(procs, step, ranks, **kw):
 
 def _resources(group):
     t = J._S["transport"]
-    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"refit-ipc-{os.getpid()}-")]
+    from refit.transport.ipc import pid_namespace
+
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"refit-ipc-{pid_namespace()}-{os.getpid()}-")]
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
             "mapped": t.mapped_regions, "segments": len(mine)}
 
