@@ -114,6 +114,9 @@ class _SynchronizerBase:
             (``refit.transport.ipc``); or ``"auto"`` (reshard only): the pairs inside a node
             over IPC and the pairs between nodes over the communicator, at once (one plan,
             split by peer). On one node the communicator then carries only control (gloo).
+        across_nodes: with ``transport="auto"``, how pairs of different nodes move:
+            ``"communicator"`` (NCCL / gloo) or ``"nixl"`` (one-sided writes; the
+            communicator then carries control only).
         backend: the communicator's backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (each
             worker is asked once where its tensors live: NCCL when all are on GPUs, gloo
             when all are on the host; a mix, or two ranks on one GPU under NCCL, is refused
@@ -136,6 +139,7 @@ class _SynchronizerBase:
         connect_timeout_s: float | None = None,
         transport: str | None = None,
         backend: str = "auto",
+        across_nodes: str = "communicator",
     ):
         if not trainers:
             raise RefitError("a synchronizer needs at least one trainer rank")
@@ -147,10 +151,16 @@ class _SynchronizerBase:
             raise RefitError(f"transport must be None, 'auto', 'nixl' or 'ipc', got {transport!r}")
         if transport in (*ONE_SIDED, "auto") and self.mode != "reshard":
             raise RefitError(f"transport={transport!r} moves the shard-to-shard plans; use ReshardWeightSynchronizer")
+        if across_nodes not in ("communicator", "nixl"):
+            raise RefitError(f"across_nodes must be 'communicator' or 'nixl', got {across_nodes!r}")
+        if across_nodes != "communicator" and transport != "auto":
+            raise RefitError(f"across_nodes={across_nodes!r} chooses how transport='auto' crosses nodes; "
+                             f"transport is {transport!r}")
         if backend not in ("auto", "gloo", "nccl"):
             raise RefitError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         self.transport = transport
         self.backend = backend
+        self.across_nodes = across_nodes
         self.refit_timeout_s = refit_timeout_s
         self.ping_timeout_s = ping_timeout_s
         self.bucket_bytes = bucket_bytes
@@ -410,7 +420,8 @@ class _SynchronizerBase:
             raise type(e)(f"{e} [ranks: {legend}]") from None
         self._check_coverage(index, members)
         shared = self._share(index)
-        extra = {"nodes": self._nodes(members, timeout)} if self.transport == "auto" else {}
+        extra = ({"nodes": self._nodes(members, timeout), "across": self.across_nodes} if self.transport == "auto"
+                 else {})
         prepared = self._round("prepare", self._call_all(members, "refit_prepare", shared, epoch=epoch, mode=self.mode,
                                                           bucket_bytes=self.bucket_bytes,
                                                           transport=self.transport or "auto", **extra), timeout)
@@ -430,8 +441,8 @@ class _SynchronizerBase:
 
     def _backend_for(self, members: Sequence[_Member], timeout: float) -> str:
         """The backend of this build; with NIXL the communicator only carries control (gloo)."""
-        if self.transport in ONE_SIDED or self.backend == "gloo":
-            return "gloo"
+        if self.transport in ONE_SIDED or self.backend == "gloo" or self.across_nodes == "nixl":
+            return "gloo"  # the communicator carries control only
         devices = self._devices_of(members, timeout)
         if self.transport == "auto" and len({_node(d) for d in devices.values()}) == 1:
             return "gloo"  # every pair moves over IPC: the communicator carries control only

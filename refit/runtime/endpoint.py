@@ -53,6 +53,7 @@ from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
 from refit.transport.factory import ONE_SIDED, make_executor
 from refit.transport.ipc import node_id
+from refit.transport.one_sided import RosterEntries
 
 __all__ = [
     "ConnectSpec",
@@ -189,6 +190,7 @@ class _State:
     # the transport object of a one-sided transport (NixlTransport for "nixl", IpcTransport for
     # "ipc"): it outlives plans, and its roster entries are relayed by the controller
     one_sided: Any = None
+    across: Any = None  # transport="auto" with NIXL across nodes: the NixlTransport of the far pairs
     quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
     # -- versions and staging (engines) --
     weights_version: int | None = None  # the version the live weights are; None until a refit commits one
@@ -386,14 +388,15 @@ class _RefitEndpoint:
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
-                      nodes: Mapping[int, str] | None = None) -> dict:
+                      nodes: Mapping[int, str] | None = None, across: str = "communicator") -> dict:
         """Build this rank's plan from the merged rosters, and its executor, bound to its tensors.
 
         The executor lives until the next build and runs every transfer of this one, so
         its staging and its views of the tensors are made once. What each bucket carries
         (param names, for verification reports) is returned here, once per build.
         ``transport="auto"`` with ``nodes`` (every rank's node): the pairs inside this
-        rank's node move over IPC and the others over the communicator, at once.
+        rank's node move over IPC and the others over the communicator, or over NIXL
+        (``across="nixl"``), at once.
         """
         st = self._refit_state()
         with st.lock:
@@ -446,9 +449,16 @@ class _RefitEndpoint:
                     from refit.transport.ipc import IpcTransport
 
                     st.one_sided = IpcTransport(rank, device=device, timeout_s=None)
+            if st.across is not None and not (split and across == "nixl"):
+                st.across.close()
+                st.across = None
+            if split and across == "nixl" and st.across is None:
+                from refit.transport.nixl import NixlTransport
+
+                st.across = NixlTransport(rank, device=device, timeout_s=None)
             near = {r for r, n in nodes.items() if n == nodes.get(rank)} if split else None
             executor = make_executor(plan, st.group, transport=transport, device=device,
-                                     nixl=st.one_sided if wanted == "nixl" else None,
+                                     nixl=st.one_sided if wanted == "nixl" else st.across,
                                      ipc=st.one_sided if wanted == "ipc" else None, near=near)
             executor.prepare(*self._refit_sides(local))
             st.executor, st.bound = executor, bound
@@ -468,6 +478,9 @@ class _RefitEndpoint:
             if st.one_sided is None or st.executor is None:
                 raise RefitError(f"refit_peer_entry: {self._refit_label()} has no one-sided executor; "
                                  f"refit_prepare(..., transport='nixl' or 'ipc') first")
+            if st.across is not None:
+                return RosterEntries(st.one_sided.rank, st.one_sided.local_roster_entry(),
+                                     st.across.local_roster_entry())
             return st.one_sided.local_roster_entry()
 
     def refit_peer_membership(self, roster: Mapping[int, Any], epoch: int) -> None:
@@ -475,6 +488,10 @@ class _RefitEndpoint:
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_peer_membership")
+            if st.across is not None:
+                st.one_sided.update_membership({r: e.ipc for r, e in roster.items()}, epoch)
+                st.across.update_membership({r: e.nixl for r, e in roster.items()}, epoch)
+                return
             st.one_sided.update_membership(roster, epoch)
 
     def refit_transfer(self, epoch: int, *, timeout_s: float | None, verify: bool = True) -> dict:
@@ -513,7 +530,7 @@ class _RefitEndpoint:
         # a one-sided path runs no collective: its transport is what the watchdog aborts
         abortable = [st.one_sided] if st.executor.transport in ONE_SIDED else [st.group]
         if st.executor.transport == "split":  # this node's pairs over IPC, the others over the communicator
-            abortable = [st.one_sided, st.group]
+            abortable = [st.one_sided, st.group] + ([st.across] if st.across is not None else [])
         if st.quantized is not None and st.executor.transport in ONE_SIDED:
             abortable.append(st.group)  # the block amaxes are merged over the communicator
         with RefitAbortWatchdog(abortable, timeout_s):
@@ -570,9 +587,10 @@ class _RefitEndpoint:
         with st.lock:
             self._refit_drop_group()
             st.spec, st.epoch = None, -1
-            if st.one_sided is not None:
-                st.one_sided.close()
-                st.one_sided = None
+            for t in (st.one_sided, st.across):
+                if t is not None:
+                    t.close()
+            st.one_sided = st.across = None
 
     def refit_status(self) -> dict:
         """What this rank's refit state is: for logs, dashboards and tests.
@@ -598,8 +616,9 @@ class _RefitEndpoint:
         st = self._refit_state()
         if st.group is not None:
             st.group.abort()
-        if st.one_sided is not None:
-            st.one_sided.abort()
+        for t in (st.one_sided, st.across):
+            if t is not None:
+                t.abort()
 
     def refit_inject_fault(self, *, peer: int | None = None, byte: int = 0) -> None:
         """Testing: corrupt one byte of the next bucket this rank sends (to ``peer``, or to anyone)."""

@@ -29,8 +29,8 @@ def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport
     through ``nixl``, a ``refit.transport.nixl.NixlTransport``), ``"ipc"`` (reads straight
     from the peers' memory on one node through ``ipc``, a ``refit.transport.ipc.IpcTransport``),
     or ``"auto"``: with ``ipc`` and ``near`` (the other ranks of this node), the pairs
-    with ``near`` ranks over IPC and the rest as below, both at once (``SplitExecutor``);
-    otherwise streamed
+    with ``near`` ranks over IPC and the rest over ``nixl`` when given, else as below, both
+    at once (``SplitExecutor``); otherwise streamed
     when ``device`` is a GPU and the communicator is stream-ordered (NCCL), rounds
     otherwise. A ``BroadcastPlan`` always gets the broadcast executor and a fan-out plan
     runs its two parts on the chosen transport. ``options`` go to the executor
@@ -66,6 +66,11 @@ def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport
         from refit.transport.split import SplitExecutor
 
         near_plan, far_plan = split_plan(plan, near)
+        if nixl is not None:  # across nodes: NIXL's one-sided writes
+            from refit.transport.nixl import NixlExecutor
+
+            return SplitExecutor(plan, near_plan, far_plan, lambda p: IpcExecutor(p, ipc),
+                                 lambda p: NixlExecutor(p, nixl))
         return SplitExecutor(plan, near_plan, far_plan, lambda p: IpcExecutor(p, ipc),
                              lambda p: make_executor(p, comm, transport="auto", device=device, **options))
     if transport == "auto":

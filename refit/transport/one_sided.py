@@ -11,9 +11,23 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from refit.comm.wire import register_record
 from refit.errors import RefitError, TransportError
+
+
+@dataclass(frozen=True)
+class RosterEntries:
+    """One rank's entries when it runs two one-sided transports: IPC inside its node, NIXL across."""
+
+    rank: int
+    ipc: Any
+    nixl: Any
+
+
+register_record(RosterEntries)
 
 
 class OneSidedTransport:
@@ -123,4 +137,4 @@ class OneSidedTransport:
         self.close()
 
 
-__all__ = ["OneSidedTransport"]
+__all__ = ["OneSidedTransport", "RosterEntries"]

@@ -90,14 +90,21 @@ def test_one_sided_transports_only_for_the_reshard_path():
             refit.CollectiveWeightSynchronizer(trainers, engines, transport=transport)
     with pytest.raises(RefitError, match="transport must be"):
         refit.ReshardWeightSynchronizer(trainers, engines, transport="ucx")
+    with pytest.raises(RefitError, match="across_nodes='nixl' chooses how transport='auto' crosses nodes"):
+        refit.ReshardWeightSynchronizer(trainers, engines, transport="ipc", across_nodes="nixl")
+
+
+ACROSS = ["communicator",
+          pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"))]
 
 
 @pytest.mark.timeout(90)
-def test_auto_moves_pairs_inside_a_node_over_ipc_and_the_rest_over_the_communicator():
+@pytest.mark.parametrize("across", ACROSS)
+def test_auto_moves_pairs_inside_a_node_over_ipc_and_the_rest_across(across):
     """Two "nodes" (the endpoints say so): trainer rank 1 and shard 2 on the second. Every pair
-    inside a node moves over IPC and every pair across over gloo, at once, in one refit; the
-    weights are exact, also after a shard is lost."""
-    sync, trainers, engines = make(2, 3, 1, transport="auto")
+    inside a node moves over IPC and every pair across over gloo or NIXL, at once, in one
+    refit; the weights are exact, also after a shard is lost."""
+    sync, trainers, engines = make(2, 3, 1, transport="auto", across_nodes=across)
     elsewhere = [trainers[1], engines[2][0]]
     for e in elsewhere:
         e.refit_device = (lambda orig: lambda: {**orig(), "node": "second-node"})(e.refit_device)
@@ -113,6 +120,8 @@ def test_auto_moves_pairs_inside_a_node_over_ipc_and_the_rest_over_the_communica
         assert first.last["near"].bytes_sent > 0 and first.last["far"].bytes_sent > 0
         assert second.last["near"].bytes_sent > 0 and second.last["far"].bytes_sent > 0
         assert executors[engines[2][0]].last["near"].bytes_received > 0
+        assert {type(ex.far).__name__ for ex in executors.values()} == \
+            {"NixlExecutor" if across == "nixl" else "RoundsExecutor"}
         assert sync.trainer_workers[0].call("refit_status").result(10)["backend"] == "gloo"
         sync.engine_workers[1][0].kill()
         step(trainers, 3)
