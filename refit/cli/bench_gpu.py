@@ -93,8 +93,9 @@ def _allocated(dev) -> int:
     return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
 
 
-def _sync_barrier(group) -> None:
-    _sync(_device(group))
+def _sync_barrier(group, dev: torch.device | None = None) -> None:
+    """This rank's device drained (the group's, or ``dev``), then a barrier of the group."""
+    _sync(dev if dev is not None else _device(group))
     group.barrier()
 
 
@@ -145,13 +146,13 @@ def _breakdown(group, plan, src, dst, kw, n: int = 3) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
-def _timed_loop(group, fn, iters: int, warmup: int = 2, singles: int = 3) -> dict:
+def _timed_loop(group, fn, iters: int, warmup: int = 2, singles: int = 3, dev: torch.device | None = None) -> dict:
     """Back-to-back iterations (no host sync between them), then ``singles`` synced ones:
-    seconds per iteration on this rank."""
-    dev = _device(group)
+    seconds per iteration on this rank (whose device is the group's, or ``dev``)."""
+    dev = dev if dev is not None else _device(group)
     for _ in range(warmup):
         fn()
-    _sync_barrier(group)
+    _sync_barrier(group, dev)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
@@ -159,7 +160,7 @@ def _timed_loop(group, fn, iters: int, warmup: int = 2, singles: int = 3) -> dic
     steady = (time.perf_counter() - t0) / iters
     times = []
     for _ in range(singles):
-        _sync_barrier(group)
+        _sync_barrier(group, dev)
         t = time.perf_counter()
         fn()
         _sync(dev)
@@ -228,7 +229,7 @@ def _fresh_refit(group, side: RankTensors, seed: int, refit) -> tuple[bool, list
     """New trainer weights, a poisoned engine, one ``refit()``: stale or missing bytes fail its check."""
     side.fill(seed)
     side.poison()
-    _sync_barrier(group)
+    _sync_barrier(group, side.device)
     refit()
     return side.verify(seed)
 

@@ -25,14 +25,14 @@ mappings, descriptors nor GPU memory grow.
 from __future__ import annotations
 
 import json
+import math
 import os
-import statistics
 import time
 from typing import Any
 
 import torch
 
-from refit.cli.bench_gpu import RankTensors, _make_plan, rank_tensors
+from refit.cli.bench_gpu import RankTensors, _fresh_refit, _make_plan, _sync, _timed_loop, rank_tensors
 from refit.cli.bench_sync import GB, MIB
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import new_secret
@@ -44,45 +44,6 @@ from refit.transport.nixl import NixlTransport, nixl_available
 
 PLACEMENTS = ("colocated", "two-gpus")
 DEFAULTS = {"layers": 32, "iters": 10, "bucket_mib": 1024, "handoff_mib": 512, "refits": 50, "timeout_s": 60.0}
-
-
-def _sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(group, dev, fn, iters: int, warmup: int = 2) -> dict:
-    """``fn`` back to back (each call ends when its refit ended on this rank), then single synced calls."""
-    for _ in range(warmup):
-        fn()
-    _sync(dev)
-    group.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(dev)
-    steady = (time.perf_counter() - t0) / iters
-    singles = []
-    for _ in range(3):
-        _sync(dev)
-        group.barrier()
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        singles.append(time.perf_counter() - t)
-    return {"steady_s": steady, "single_s": statistics.median(singles)}
-
-
-def _fresh(group, side: RankTensors, seed: int, refit) -> bool:
-    """New trainer weights, a NaN engine, one refit: stale or missing bytes fail the check."""
-    side.fill(seed)
-    side.poison()
-    _sync(side.device)
-    group.barrier()
-    refit()
-    _sync(side.device)
-    group.barrier()
-    return side.verify(seed)[0]
 
 
 def _limit(side: RankTensors, iters: int) -> dict:
@@ -136,21 +97,21 @@ def _handoff(group, side: RankTensors, bucket_bytes: int):
     names = side.names
     buckets, cur, size = [], [], 0
     for n, shape in names:
-        nbytes = 2 * _numel(shape)
+        nbytes = 2 * math.prod(shape)
         if cur and size + nbytes > bucket_bytes:
             buckets.append(cur)
             cur, size = [], 0
         cur.append((n, shape, size))
         size += nbytes
     buckets.append(cur)
-    cap = max(sum(2 * _numel(s) for _, s, _ in b) for b in buckets)
+    cap = max(sum(2 * math.prod(s) for _, s, _ in b) for b in buckets)
     buf = torch.empty(cap, dtype=torch.uint8, device=dev) if side.rank == 0 else None
 
     def refit():
         for b in buckets:
             if side.rank == 0:
                 for n, shape, off in b:
-                    buf[off: off + 2 * _numel(shape)].view(torch.bfloat16).view(shape).copy_(side.src[n])
+                    buf[off: off + 2 * math.prod(shape)].view(torch.bfloat16).view(shape).copy_(side.src[n])
                 _sync(dev)
                 msg = (export_cuda(buf), [(n, tuple(shape), off) for n, shape, off in b])
             else:
@@ -159,19 +120,12 @@ def _handoff(group, side: RankTensors, bucket_bytes: int):
             if side.rank == 1:
                 remote = open_cuda(handle)
                 for n, shape, off in meta:
-                    side.dst[n].copy_(remote[off: off + 2 * _numel(shape)].view(torch.bfloat16).view(shape))
+                    side.dst[n].copy_(remote[off: off + 2 * math.prod(shape)].view(torch.bfloat16).view(shape))
                 _sync(dev)
                 del remote
             group.barrier()  # the engine's acknowledgement: the buffer may be packed again
 
     return refit
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def ipc_rank(group, cfg: dict) -> dict:
@@ -201,14 +155,14 @@ def ipc_rank(group, cfg: dict) -> dict:
     _sync(dev)
     group.barrier()
     out["ipc_verify"] = side.verify(cfg["seed"])[0]
-    out["ipc"] = _timed(group, dev, ex.run, cfg["iters"])
-    out["ipc_verify_fresh"] = _fresh(group, side, cfg["seed"] + 7, ex.run)
+    out["ipc"] = _timed_loop(group, ex.run, cfg["iters"], dev=dev)
+    out["ipc_verify_fresh"] = _fresh_refit(group, side, cfg["seed"] + 7, ex.run)[0]
     before = _resources(ipc, dev)
     for _ in range(cfg["refits"]):
         ex.run()
     _sync(dev)
     out["ipc_hygiene"] = {"before": before, "after": _resources(ipc, dev), "refits": cfg["refits"]}
-    out["ipc_verify_after_hygiene"] = _fresh(group, side, cfg["seed"] + 11, ex.run)
+    out["ipc_verify_after_hygiene"] = _fresh_refit(group, side, cfg["seed"] + 11, ex.run)[0]
     ex.close()
     ipc.close()
     group.barrier()
@@ -222,8 +176,8 @@ def ipc_rank(group, cfg: dict) -> dict:
             nex.prepare(src, dst)
             nixl.handshake(group)
             setup = time.perf_counter() - t0
-            out["nixl"] = {**_timed(group, dev, nex.run, cfg["iters"]), "setup_s": setup,
-                           "verify": _fresh(group, side, cfg["seed"] + 13, nex.run)}
+            out["nixl"] = {**_timed_loop(group, nex.run, cfg["iters"], dev=dev), "setup_s": setup,
+                           "verify": _fresh_refit(group, side, cfg["seed"] + 13, nex.run)[0]}
             nex.close()
             nixl.close()
         except Exception as e:  # noqa: BLE001 - reported in the table, the other rows still count
@@ -242,11 +196,11 @@ def ipc_rank(group, cfg: dict) -> dict:
             else:
                 nccl.p2p_group([(flat, 0)], [])
 
-        out["nccl_raw"] = _timed(group, dev, raw, cfg["iters"])
+        out["nccl_raw"] = _timed_loop(group, raw, cfg["iters"], dev=dev)
         del flat
         streamed = make_executor(plan, nccl, transport="streamed", device=dev)
-        out["nccl_refit"] = {**_timed(group, dev, lambda: streamed.run(src, dst), cfg["iters"]),
-                             "verify": _fresh(group, side, cfg["seed"] + 17, lambda: streamed.run(src, dst))}
+        out["nccl_refit"] = {**_timed_loop(group, lambda: streamed.run(src, dst), cfg["iters"], dev=dev),
+                             "verify": _fresh_refit(group, side, cfg["seed"] + 17, lambda: streamed.run(src, dst))[0]}
         streamed.close()
         nccl.abort()
         torch.cuda.empty_cache()
@@ -256,8 +210,8 @@ def ipc_rank(group, cfg: dict) -> dict:
     if dev.type != "cuda":
         return out
     handoff = _handoff(group, side, cfg["handoff_mib"] * MIB)
-    out["handoff"] = {**_timed(group, dev, handoff, max(2, cfg["iters"] // 3), warmup=1),
-                      "verify": _fresh(group, side, cfg["seed"] + 19, handoff)}
+    out["handoff"] = {**_timed_loop(group, handoff, max(2, cfg["iters"] // 3), warmup=1, dev=dev),
+                      "verify": _fresh_refit(group, side, cfg["seed"] + 19, handoff)[0]}
     return out
 
 

@@ -793,24 +793,11 @@ class IpcTransport(OneSidedTransport):
     def _receive(self, peer: int, dst: TensorMap, stats: TransferStats, ledger: ChecksumLedger | None) -> Any:
         graph = self._graphs.get(peer)
         if graph is not None:
-            graph.replay()
+            graph.replay()  # every copy from this source at once
         for c in self._copies[peer]:
             b = c.bucket
-            if graph is not None:
-                pass
-            elif c.staged is not None:
-                unpack_bucket(b, c.staged, dst, ledger=ledger if b.nbytes else None, key=(b.peer, b.index))
-            elif c.bounce is not None:
-                for op, off, (d, s) in zip(b.ops, b.offsets, c.pairs):
-                    wire = op_view(c.bounce, op, off)
-                    if s.is_contiguous() and s.dtype == wire.dtype:
-                        wire.copy_(s)  # a peer copy on the copy engines
-                    else:
-                        wire.copy_(s.contiguous())  # strided on the peer: gathered there first
-                    d.copy_(wire)
-            else:
-                for d, s in c.pairs:
-                    d.copy_(s)
+            if graph is None:
+                self._copy(c, dst, ledger)
             if ledger is not None and c.staged is None and b.nbytes:
                 self._sum(ledger, b, dst, "dst")
             stats.bytes_received += b.nbytes
@@ -820,6 +807,23 @@ class IpcTransport(OneSidedTransport):
             event.record(torch.cuda.current_stream(self.device))
             return event
         return None
+
+    def _copy(self, c: _Copy, dst: TensorMap, ledger: ChecksumLedger | None) -> None:
+        """One bucket's blocks, launched one by one (no graph)."""
+        b = c.bucket
+        if c.staged is not None:
+            unpack_bucket(b, c.staged, dst, ledger=ledger if b.nbytes else None, key=(b.peer, b.index))
+        elif c.bounce is not None:
+            for op, off, (d, s) in zip(b.ops, b.offsets, c.pairs):
+                wire = op_view(c.bounce, op, off)
+                if s.is_contiguous() and s.dtype == wire.dtype:
+                    wire.copy_(s)  # a peer copy on the copy engines
+                else:
+                    wire.copy_(s.contiguous())  # strided on the peer: gathered there first
+                d.copy_(wire)
+        else:
+            for d, s in c.pairs:
+                d.copy_(s)
 
     def _sum(self, ledger: ChecksumLedger, b: Bucket, tensors: TensorMap, side: str) -> None:
         """The checksum of the bucket's blocks as the destination holds them (the GPU path packs

@@ -8,6 +8,7 @@ and with expandable segments.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -24,6 +25,7 @@ pytestmark = [
 ]
 
 WORLD = 4
+_membership = functools.partial(J.relay_membership, transport="ipc", device="cuda")
 DEADLINE_S = 30.0
 _epochs = itertools.count(1)
 
@@ -55,20 +57,6 @@ def procs(request):
         yield P
 
 
-def _check(results):
-    for r, res in results.items():
-        assert res["error"] is None, res
-        assert res["all_ok"], (r, res["ok"])
-        assert res["collectives"] == 0, res
-
-
-def _membership(procs, case, members, epoch):
-    infos = procs.ok(J.setup, case, epoch, members=members, ranks=members, transport="ipc", device="cuda")
-    roster = {r: i["entry"] for r, i in infos.items()}
-    procs.ok(J.install, roster, epoch, ranks=members)
-    return infos
-
-
 def _resources(group):
     t = J._S["transport"]
     dev = J._S["device"]
@@ -91,13 +79,13 @@ def test_cuda_ipc_refits_exactly_with_ranks_sharing_gpus(procs, case):
     _membership(procs, case, members, next(_epochs))
     for step in range(3):
         results = procs.ok(J.refit_step, step, replace_src=False)
-        _check(results)
+        J.check_refits(results)
         for r, res in results.items():
             for (peer, idx), value in res["sent"].items():
                 assert results[peer]["received"][(r, idx)] == value
     before = procs.ok(_resources)
     for step in range(3, 53):
-        _check(procs.ok(J.refit_step, step, replace_src=False))
+        J.check_refits(procs.ok(J.refit_step, step, replace_src=False))
     assert procs.ok(_resources) == before
 
 
@@ -108,11 +96,11 @@ def test_restarted_engine_gets_fresh_handles(procs):
     case = CASES[0]
     members = list(range(WORLD))
     a = _membership(procs, case, members, next(_epochs))
-    _check(procs.ok(J.refit_step, 0, replace_src=False))
+    J.check_refits(procs.ok(J.refit_step, 0, replace_src=False))
     procs.ok(J.close, ranks=[3])
     b = _membership(procs, case, members, next(_epochs))
     assert b[3]["agent"] != a[3]["agent"] and b[2]["agent"] == a[2]["agent"]
-    _check(procs.ok(J.refit_step, 1, replace_src=False))
+    J.check_refits(procs.ok(J.refit_step, 1, replace_src=False))
 
 
 @pytest.mark.timeout(2 * 3 * DEADLINE_S + 60)
@@ -128,7 +116,7 @@ def test_dead_engine_is_named_and_its_mappings_closed(procs):
                                                                        "dtype": "bfloat16"}]},
     ]}
     _membership(procs, case, list(range(WORLD)), next(_epochs))
-    _check(procs.ok(J.refit_step, 0, replace_src=False))
+    J.check_refits(procs.ok(J.refit_step, 0, replace_src=False))
     res = procs.call(J.refit_step, 1, ranks=[0, 1, 2, 3], timeout_s=DEADLINE_S * 3,
                      per_rank={r: {"timeout_s": DEADLINE_S, "replace_src": False} for r in range(4)}
                      | {1: {"fault": "die"}})
@@ -140,7 +128,7 @@ def test_dead_engine_is_named_and_its_mappings_closed(procs):
         assert res[r][1]["error"] is None and res[r][1]["all_ok"], res[r]
     case["params"][0]["dsts"] = case["params"][0]["dsts"][1:]
     _membership(procs, case, [0, 2, 3], next(_epochs))
-    _check(procs.ok(J.refit_step, 2, ranks=[0, 2, 3], replace_src=False))
+    J.check_refits(procs.ok(J.refit_step, 2, ranks=[0, 2, 3], replace_src=False))
 
 
 @pytest.mark.timeout(180)

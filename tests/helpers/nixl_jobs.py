@@ -282,6 +282,33 @@ def close(group):
     return True
 
 
+# -- the controller's side, from the test ---------------------------------------------------------
+
+def check_refits(results, case=None):
+    """Every rank of one refit: no error, every destination exact, no collective."""
+    for r, res in results.items():
+        assert res["error"] is None, (r, res)
+        assert res["all_ok"], (r, res["ok"], case)
+        assert res["collectives"] == 0, (r, res)
+
+
+def relay_membership(procs, case, members, epoch, **setup_kwargs):
+    """What a controller does at a build: each member rebuilds its plan and reports its roster
+    entry; the roster goes back to every member. No collective anywhere."""
+    infos = procs.ok(setup, case, epoch, members=members, ranks=members, **setup_kwargs)
+    roster = {r: i["entry"] for r, i in infos.items()}
+    installed = procs.ok(install, roster, epoch, ranks=members)
+    assert all(v["collectives"] == 0 for v in installed.values())
+    return infos
+
+
+def refit_ranks(procs, step, ranks, **kwargs):
+    """One refit on ``ranks``, checked with ``check_refits``; the results by rank."""
+    res = procs.ok(refit_step, step, ranks=ranks, **kwargs)
+    check_refits(res)
+    return res
+
+
 # -- a process harness that outlives a dead rank -------------------------------------------------
 
 def _main(rank, n, port, conn):

@@ -8,6 +8,7 @@ many refits.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -19,6 +20,8 @@ from hypothesis import strategies as st
 from refit import Replicate, Shard
 
 WORLD = 4
+_membership = functools.partial(J.relay_membership, transport="ipc")
+_refit = J.refit_ranks
 DEADLINE_S = 30.0  # far above how long noticing a dead peer takes on a busy machine
 _epochs = itertools.count(1)
 
@@ -27,13 +30,6 @@ _epochs = itertools.count(1)
 def procs():
     with J.Procs(WORLD) as P:
         yield P
-
-
-def _check(results):
-    for r, res in results.items():
-        assert res["error"] is None, res
-        assert res["all_ok"], (r, res["ok"])
-        assert res["collectives"] == 0, res
 
 
 @pytest.mark.timeout(120)
@@ -45,7 +41,7 @@ def test_ipc_reshard_matches_expected(procs, case):
     procs.ok(J.setup, case, next(_epochs), exchange="group", transport="ipc")
     for step in (0, 1):
         results = procs.ok(J.refit_step, step, replace_src=bool(step))
-        _check(results)
+        J.check_refits(results)
         for r, res in results.items():
             for (peer, idx), value in res["sent"].items():
                 assert results[peer]["received"][(r, idx)] == value
@@ -64,21 +60,6 @@ def _engines_case(src_mesh, engines, shape=(16, 12), twin=False):
         {"name": "v", "shape": (40,), "seed": 12, "src_mesh": src_mesh, "src_pl": [R()], "src_dtype": "float32",
          "dsts": [{"mesh": e, "pl": [R()], "dtype": "float32"} for e in engines]},
     ]}
-
-
-def _membership(procs, case, members, epoch):
-    """The controller's part: entries up, the roster back down; no collective anywhere."""
-    infos = procs.ok(J.setup, case, epoch, members=members, ranks=members, transport="ipc")
-    roster = {r: i["entry"] for r, i in infos.items()}
-    installed = procs.ok(J.install, roster, epoch, ranks=members)
-    assert all(v["collectives"] == 0 for v in installed.values())
-    return infos
-
-
-def _refit(procs, step, ranks, **kw):
-    res = procs.ok(J.refit_step, step, ranks=ranks, **kw)
-    _check(res)
-    return res
 
 
 def _resources(group):

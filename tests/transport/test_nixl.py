@@ -38,13 +38,6 @@ def procs():
         yield P
 
 
-def _check_refit(results, case):
-    for r, res in results.items():
-        assert res["error"] is None, res
-        assert res["all_ok"], (r, res["ok"], case)
-        assert res["collectives"] == 0, res
-
-
 @pytest.mark.timeout(120)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(J.transfer_cases(WORLD, chunks=True))
@@ -56,7 +49,7 @@ def test_nixl_reshard_matches_expected(procs, case):
     assert all(i["handshake_calls"] == ["all_gather_object"] for i in infos.values())
     for step in (0, 1):
         results = procs.ok(J.refit_step, step, replace_src=bool(step))
-        _check_refit(results, case)
+        J.check_refits(results, case)
         # what each source sent is what its receivers got, bucket by bucket
         for r, res in results.items():
             for (peer, idx), value in res["sent"].items():
@@ -79,7 +72,7 @@ def test_no_collective_on_the_refit_path(procs):
     assert {r: after_handshake[r] - before[r] for r in before} == {r: 1 for r in range(WORLD)}
     assert all(i["handshake_calls"] == ["all_gather_object"] for i in infos.values())
     for step in range(5):
-        _check_refit(procs.ok(J.refit_step, step), case)
+        J.check_refits(procs.ok(J.refit_step, step), case)
     assert procs.ok(_collectives) == after_handshake
     last = procs.ok(J.refit_step, 5)
     assert {r: v["seq"] for r, v in last.items()} == {r: 6 for r in range(WORLD)}  # notifications carried 0..5
@@ -112,41 +105,22 @@ def _case_engines(src_mesh, engines, shape=(16, 12), twin=False):
     ]}
 
 
-def _membership(procs, case, members, epoch):
-    """The controller's part: each member rebuilds its plan and reports its entry; the
-    roster goes back to every member. No collective anywhere."""
-    infos = procs.ok(J.setup, case, epoch, members=members, ranks=members)
-    roster = {r: i["entry"] for r, i in infos.items()}
-    installed = procs.ok(J.install, roster, epoch, ranks=members)
-    assert all(v["collectives"] == 0 for v in installed.values())
-    return infos
-
-
-def _refit(procs, step, ranks, **kw):
-    res = procs.ok(J.refit_step, step, ranks=ranks, **kw)
-    for r, v in res.items():
-        assert v["error"] is None, (r, v)
-        assert v["all_ok"], (r, v["ok"])
-        assert v["collectives"] == 0
-    return res
-
-
 @pytest.mark.timeout(60)
 def test_handshake_errors_are_clear(procs):
     """Receive buffers that moved without a new handshake, a stale roster, and a roster
     without a peer of the plan are refused with errors that say what to do."""
     P = procs
     case = _case_engines([0], [[1]])
-    _membership(P, case, [0, 1], next(_epochs))
-    _refit(P, 0, [0, 1])
+    J.relay_membership(P, case, [0, 1], next(_epochs))
+    J.refit_ranks(P, 0, [0, 1])
     res = P.ok(_moved_destination, ranks=[1])[1]
     assert res[0] == "NixlHandshakeError" and "receive addresses changed" in res[1], res
     res = P.ok(_reprepare_without_handshake, ranks=[1])[1]
     assert res[0] == "NixlHandshakeError" and "registered again" in res[1], res
     res = P.ok(_roster_without_peer, ranks=[0])[0]
     assert res[0] == "NixlHandshakeError" and "lacks rank(s) [1]" in res[1], res
-    _membership(P, case, [0, 1], next(_epochs))
-    _refit(P, 1, [0, 1])
+    J.relay_membership(P, case, [0, 1], next(_epochs))
+    J.refit_ranks(P, 1, [0, 1])
 
 
 @pytest.mark.timeout(2 * 3 * DEADLINE_S + 60)
@@ -159,14 +133,14 @@ def test_join_dead_receiver_dead_source(procs):
     P.ok(J.close, ranks=[3])  # rank 3 starts with no NIXL agent: a node that joins later
     # a trainer (rank 0) and two data-parallel engines
     case = _case_engines([0], [[1], [2], [3]])
-    a = _membership(P, case, [0, 1, 2], e)
-    _refit(P, 0, [0, 1, 2])
-    _refit(P, 1, [0, 1, 2])
+    a = J.relay_membership(P, case, [0, 1, 2], e)
+    J.refit_ranks(P, 0, [0, 1, 2])
+    J.refit_ranks(P, 1, [0, 1, 2])
     # an engine joins the running fleet: relayed roster, nothing collective, in step at once
-    b = _membership(P, case, [0, 1, 2, 3], e + 1)
+    b = J.relay_membership(P, case, [0, 1, 2, 3], e + 1)
     assert b[0]["plan_key"] != a[0]["plan_key"] and b[0]["plan_key"][0] == 4  # the world grew: a new plan
     assert b[0]["agent"] == a[0]["agent"]  # the running nodes keep their agents
-    res = _refit(P, 2, [0, 1, 2, 3])
+    res = J.refit_ranks(P, 2, [0, 1, 2, 3])
     assert res[3]["seq"] == 1 and res[3]["epoch"] == e + 1
     # engine 2 dies in the middle of the next refit: its source names it, within the deadline
     res = P.call(J.refit_step, 3, ranks=[0, 1, 2, 3], timeout_s=DEADLINE_S * 3,
@@ -178,13 +152,13 @@ def test_join_dead_receiver_dead_source(procs):
     for r in (1, 3):  # the other engines got their weights all the same
         assert res[r][1]["error"] is None and res[r][1]["all_ok"], res[r]
     # the membership without it: the next refit completes and verifies
-    _membership(P, case, [0, 1, 3], e + 2)
-    _refit(P, 4, [0, 1, 3])
+    J.relay_membership(P, case, [0, 1, 3], e + 2)
+    J.refit_ranks(P, 4, [0, 1, 3])
     # rank 1 becomes a second trainer replica; replicas share the load, so engine 3 reads from both
     case = _case_engines([0, 1], [[3]], shape=(24, 16), twin=True)
-    infos = _membership(P, case, [0, 1, 3], e + 3)
+    infos = J.relay_membership(P, case, [0, 1, 3], e + 3)
     assert infos[3]["peers"] == [0, 1]
-    _refit(P, 5, [0, 1, 3])
+    J.refit_ranks(P, 5, [0, 1, 3])
     # the second replica dies mid-refit: its receiver names it, the other source completes
     res = P.call(J.refit_step, 6, ranks=[0, 1, 3], timeout_s=DEADLINE_S * 3,
                  per_rank={r: {"timeout_s": DEADLINE_S} for r in (0, 3)} | {1: {"fault": "die"}})
@@ -194,8 +168,8 @@ def test_join_dead_receiver_dead_source(procs):
     assert rcv["elapsed"] < DEADLINE_S
     assert res[0][1]["error"] is None
     # without the dead replica the survivor serves everything
-    _membership(P, _case_engines([0], [[3]], shape=(24, 16), twin=True), [0, 3], e + 4)
-    _refit(P, 7, [0, 3])
+    J.relay_membership(P, _case_engines([0], [[3]], shape=(24, 16), twin=True), [0, 3], e + 4)
+    J.refit_ranks(P, 7, [0, 3])
 
 
 def _moved_destination(group):
