@@ -67,7 +67,8 @@ def _resources(handles) -> list[dict]:
 def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trainers: int = 2,
               refit_timeout_s: float = 4.0, grace_s: float = 2.0, ping_timeout_s: float = 2.0,
               hidden: int = 32, transfer_delay_s: float = 0.1, log: Callable[[str], None] | None = None) -> dict:
-    """Run cycles until ``kills`` workers were killed; return the figures (see the keys).
+    """Run cycles until ``kills`` workers were killed and a sync re-admitted a replaced shard
+    (at most ``4 * kills + 4`` cycles); return the figures (see the keys).
 
     ``seed`` makes the schedule (which worker, which moment) reproducible; where each kill
     lands still depends on the machine. The figures count what happened; the caller
@@ -93,7 +94,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                            "kills_by_mode": dict.fromkeys(MODES, 0), "kills_by_phase": {}, "errors": [],
                            "unnamed_errors": [], "wrong_weights": [], "slow_errors": [], "torn_reported_healthy": [],
                            "torn_named": 0, "max_error_s": 0.0,
-                           "max_verified_s": 0.0, "bound_s": bound_s, "timeout_s": refit_timeout_s}
+                           "max_verified_s": 0.0, "bound_s": bound_s, "timeout_s": refit_timeout_s, "cycles": 0}
     step = 0
 
     def set_step(n: int) -> None:
@@ -147,7 +148,11 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
         baseline = _resources(watched)
         processes_before = len(_descendants(os.getpid()))
         pending_heal: dict[int, Any] = {}
-        while fig["kills"] < kills:
+        cycles, max_cycles = 0, 4 * kills + 4
+        # Past ``kills``, cycles go on until one verified a re-admission: a short run whose every
+        # cycle drew a second kill inside the recovery would otherwise show only raised syncs.
+        while (fig["kills"] < kills or not fig["readmitted"]) and cycles < max_cycles:
+            cycles += 1
             # hand in the shards killed last cycle: this sync re-admits them (a rebuild)
             healed = sorted(pending_heal)
             for s, fut in pending_heal.items():
@@ -211,6 +216,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
             fig["kills"] += len(killer.fired)
             fig["kills_by_mode"][mode] += len(killer.fired)
             audit_torn()
+            fig["cycles"] = cycles
             say(f"cycle: {mode} kill(s) {killer.fired} -> {outcome}")
             for s, fut in spawned.items():
                 if any(t[0] == s for t in killer.fired):
