@@ -154,6 +154,25 @@ class BenchTrainer(TrainerEndpoint):
     def refit_sources(self):
         return {n: h.shard for n, h in self.held.items()}
 
+    def bench_quantize(self, iters: int) -> dict | None:
+        """The quantize kernels alone on this rank's shards (its FP8 params), timed; None without FP8."""
+        st = self._refit_state()
+        if st.quantized is None:
+            return None
+        local = {n: h.shard.tensor for n, h in self.held.items()}
+        cuda = any(t.is_cuda for t in local.values())
+        st.quantized.quantize_alone(local)  # warm-up: compiles on a GPU
+        times = []
+        for _ in range(iters):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            nbytes = st.quantized.quantize_alone(local)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return {"seconds": statistics.median(times), "bytes_in": nbytes}
+
 
 class BenchEngine(EngineEndpoint):
     """An engine worker: its TP shard of every tensor of ``model``, zeroed until a refit lands."""
@@ -302,6 +321,7 @@ class RawStep:
     seconds: float  # the slowest rank's executor time: the transport alone
     round_s: float  # the calls' wall time from here, controller dispatch included
     bytes: int
+    quantize: list  # per trainer rank quantizing to FP8: its report (host seconds ahead of and beside the wire)
 
 
 def timed_sync(sync) -> SyncStep:
@@ -316,12 +336,35 @@ def timed_raw(sync, timeout_s: float, verify: bool = False) -> RawStep:
     calls = {r: w.call("refit_transfer", sync.epoch, timeout_s=None, verify=verify) for r, w in sync.workers.items()}
     reports = [p.result(timeout_s) for p in calls.values()]
     return RawStep(max(r["seconds"] for r in reports), time.perf_counter() - t0,
-                   sum(r["bytes_received"] for r in reports))
+                   sum(r["bytes_received"] for r in reports), [r["quantize"] for r in reports if r.get("quantize")])
 
 
 def spread(values: list[float], nbytes: int) -> dict:
     median = statistics.median(values)
     return {"median_s": median, "p90_s": float(np.percentile(values, 90)), "GBps": nbytes / median / GB}
+
+
+def quantize_figures(raws: list[RawStep], kernels: list[dict]) -> dict | None:
+    """Whether quantizing on the trainer ranks can keep up with the wire (None: no FP8 engines).
+
+    ``kernel``: the quantize kernels alone on the slowest trainer rank's shards, in GB/s of
+    bf16 read. ``wire``: that rank's share of the raw transfer in GB/s of the same bf16 (the
+    FP8 sent stands for twice its bytes), so a kernel faster than the wire is no bottleneck.
+    ``ahead`` and ``beside``: host seconds of the raw refits' quantization before the executor
+    starts (amaxes, their merge, scales) and while it runs (the FP8 weights, round by round;
+    on a GPU, the time to queue them).
+    """
+    if not kernels:
+        return None
+    slowest = max(kernels, key=lambda k: k["seconds"])
+    wire_s = statistics.median(r.seconds for r in raws)
+    reports = [q for r in raws for q in r.quantize]
+    return {
+        "kernel_s": slowest["seconds"], "kernel_GBps": slowest["bytes_in"] / slowest["seconds"] / GB,
+        "wire_GBps": slowest["bytes_in"] / wire_s / GB,
+        "ahead_median_s": statistics.median(q["ahead_s"] for q in reports) if reports else None,
+        "beside_median_s": statistics.median(q["beside_s"] for q in reports) if reports else None,
+    }
 
 
 def run_sync_bench(args) -> dict:
@@ -373,6 +416,8 @@ def run_sync_bench(args) -> dict:
             checked.append(timed_raw(sync, args.refit_timeout, verify=True))
         switches = [x["seconds"] for r, w in sync.workers.items() if r >= layout.trainer_tp
                     for x in w.call("refit_switches").result(args.refit_timeout)[-args.iters:]]
+        kernels = [k for r in range(layout.trainer_tp)
+                   if (k := sync.workers[r].call("bench_quantize", args.iters).result(args.refit_timeout))]
         checks = {r: w.call("bench_wrong_tensors") for r, w in sync.workers.items() if r >= layout.trainer_tp}
         wrong = {f"rank {r}": bad for r, p in checks.items() if (bad := p.result(args.refit_timeout))}
     finally:
@@ -393,6 +438,7 @@ def run_sync_bench(args) -> dict:
     else:
         device = "cpu (gloo)" if args.device == "cpu" else f"{torch.cuda.get_device_name(0)} (NCCL, one GPU per rank)"
     return {
+        "quantize": quantize_figures(raws, kernels),
         "path": "sync", "fleet": args.fleet, "device": device, "layout": layout.describe(), "layout_note": note,
         "world_size": layout.world_size, "model": model.name, "layers": model.num_layers,
         "hidden": model.hidden_size, "tensors": model.num_tensors, "params": model.num_params,
@@ -430,6 +476,14 @@ def print_sync_table(r: dict) -> None:
         table.add_row("switch (staged)", f"{r['switch_median_s'] * 1e3:.2f} ms",
                       f"max {r['switch_max_s'] * 1e3:.2f} ms", "",
                       "staging copied into the live weights at the commit: what generation stops for")
+    q = r.get("quantize")
+    if q:
+        table.add_row("quantize kernels alone", f"{q['kernel_s'] * 1e3:.1f} ms", "", f"{q['kernel_GBps']:.2f}",
+                      f"slowest trainer rank, GB/s of bf16 read; its share of the wire: {q['wire_GBps']:.2f}")
+        if q["ahead_median_s"] is not None:
+            table.add_row("quantize in the refit", f"{q['ahead_median_s'] * 1e3:.1f} ms", "", "",
+                          f"amax, merge and scales ahead of the wire; "
+                          f"{q['beside_median_s'] * 1e3:.1f} ms of FP8 weights made beside it")
     console = Console()
     console.print(table)
     if r["layout_note"]:

@@ -40,7 +40,7 @@ from refit.errors import LayoutError
 from refit.layout import Placement, Replicate, Shard
 from refit.models.specs import ModelSpec, ParamShape
 from refit.plan import ParamIndex, ParamSpec, RosterEntry, RosterGroup, TensorLayout
-from refit.plan.quant import BlockFp8, scale_name
+from refit.plan.quant import BlockFp8, scale_name, scale_placements
 
 
 def _parse(text: str, allowed: Iterable[str], what: str) -> dict[str, int]:
@@ -240,6 +240,7 @@ class LayoutBuilder:
         self._layouts: dict[tuple, TensorLayout] = {}
         self._src: dict[tuple, TensorLayout] = {}
         self._dst: dict[tuple, tuple[TensorLayout, ...]] = {}
+        self._weight_shapes: dict[str, tuple[int, ...]] = {}  # a scale grid's name -> its weight's shape
         self._stage_of: dict[int, int] = {}
         for s, layers in enumerate(train.stage_layers(model.num_stored_layers)):
             for layer in layers:
@@ -266,6 +267,7 @@ class LayoutBuilder:
         for p in self.model.params():
             yield p
             if self.quantized(p):
+                self._weight_shapes[scale_name(p.name)] = p.shape
                 yield dataclasses.replace(p, name=scale_name(p.name), shape=self.quant.scale_shape(p.shape),
                                           scales_of=p.name)
 
@@ -276,9 +278,13 @@ class LayoutBuilder:
 
     def src(self, p: ParamShape) -> TensorLayout:
         if p.scales_of is not None:
-            # every source rank of the weight merges the block amaxes and holds the whole grid
+            # sharded like the weight where its shards hold whole blocks (each rank makes its own
+            # blocks' scales); otherwise every source rank merges the block amaxes and holds the grid
             lay = self._src_of(dataclasses.replace(p, scales_of=None))
-            return self._intern(lay.mesh_ranks, lay.mesh_shape, (Replicate(),) * len(lay.mesh_shape),
+            placements = scale_placements(self._weight_shapes[p.name], lay.mesh_shape, lay.placements,
+                                          self.quant.block)
+            return self._intern(lay.mesh_ranks, lay.mesh_shape,
+                                placements if placements is not None else (Replicate(),) * len(lay.mesh_shape),
                                 self.quant.scale_dtype)
         return self._src_of(p)
 

@@ -15,6 +15,7 @@ with the number of distinct shard boundaries, not with the number of blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from refit.errors import LayoutError, PlanError
-from refit.layout import Interval, Region, normalize_mesh, shard_region
+from refit.layout import Interval, Region, normalize_mesh, normalize_placements, shard_region
 
-__all__ = ["FP8_FORMATS", "BlockFp8", "CutBlocks", "check_fp8_destinations", "cut_blocks", "scale_name"]
+__all__ = ["FP8_FORMATS", "BlockFp8", "CutBlocks", "check_fp8_destinations", "cut_blocks", "scale_name",
+           "scale_placements"]
 
 # name -> (torch dtype name, largest finite value)
 FP8_FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
@@ -120,6 +122,48 @@ def cut_blocks(shape: Sequence[int], mesh: Any, placements: Sequence[Any], fmt: 
     rows = _cut_indices(int(shape[-2]), fmt.block[0], [r[-2] for r in regions])
     cols = _cut_indices(int(shape[-1]), fmt.block[1], [r[-1] for r in regions])
     return CutBlocks(grid, rows, cols)
+
+
+def scale_placements(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any],
+                     block: Sequence[int]) -> tuple[Any, ...] | None:
+    """The weight's own placements, when laid over its scale grid they give every source rank the
+    scales of exactly the blocks it holds, all of them whole; None when some shard cuts a block.
+
+    Then each rank makes the scales of its own blocks from its shard alone, beside the wire,
+    and sends them sharded like the weight: no amax merge, nothing ahead of the first byte.
+    Most trainer layouts qualify (even TP over dims of multiples of 128, FSDP's dim-0 chunks,
+    experts sharded over their leading dim). A cut block (uneven shards, a TP size that does
+    not divide a dim into whole blocks, ``_StridedShard``) needs the merge, and the grid is
+    then replicated over the source ranks.
+    """
+    key = (tuple(int(n) for n in shape), tuple(int(n) for n in mesh_shape), normalize_placements(placements),
+           (int(block[0]), int(block[1])))
+    try:
+        return key[2] if _holds_whole_blocks(*key) else None
+    except TypeError:  # a placement that cannot key the cache: taken as cutting blocks
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _holds_whole_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
+                        block: tuple[int, int]) -> bool:
+    grid = BlockFp8(block).scale_shape(shape)
+    for coords in np.ndindex(*mesh_shape):
+        weight = shard_region(shape, mesh_shape, coords, placements)
+        scales = shard_region(grid, mesh_shape, coords, placements)
+        if weight[:-2] != scales[:-2]:
+            return False
+        for w, g, size, n in zip(weight[-2:], scales[-2:], block, shape[-2:]):
+            if not w:
+                if g:
+                    return False
+                continue
+            if len(w) != 1 or len(g) != 1:
+                return False
+            (a, b), = w
+            if a % size or (b % size and b != n) or g[0] != (a // size, -(-b // size)):
+                return False
+    return True
 
 
 def check_fp8_destinations(index: Any, rank: int, block: tuple[int, int], *, label: str = "engine") -> None:

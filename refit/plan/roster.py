@@ -39,6 +39,7 @@ from refit.layout import (
     validate_layout,
 )
 from refit.plan.buckets import wire_dtype
+from refit.plan.quant import scale_placements
 
 _MESH_COORDS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
 
@@ -278,23 +279,33 @@ class RosterGroup:
     placements: Any
     role: str  # "src" or "dst"
     digest: str
+    # an FP8 destination's scale block (rows, cols), when the rank says which: lets the scale
+    # grids' sources be sharded like their weights' (``derive_scale_sources``)
+    block: tuple[int, int] | None = None
 
     @classmethod
-    def make(cls, names, shapes, dtype, mesh, placements, role) -> RosterGroup:
+    def make(cls, names, shapes, dtype, mesh, placements, role, block=None) -> RosterGroup:
         names = tuple(names)
         shapes = tuple(tuple(int(n) for n in s) for s in shapes)
         if role not in ("src", "dst"):
             raise PlanError(f"{names[0] if names else 'roster group'}: role must be 'src' or 'dst', got {role!r}")
         if len(names) != len(shapes):
             raise PlanError(f"roster group: {len(names)} names but {len(shapes)} shapes")
-        return cls(names, shapes, dtype, mesh, placements, role, roster_digest(names, shapes))
+        if block is not None:
+            block = tuple(int(b) for b in block)
+            if len(block) != 2 or min(block) < 1:
+                raise PlanError(f"{names[0] if names else 'roster group'}: block must be two positive sizes, "
+                                f"got {list(block)}")
+        return cls(names, shapes, dtype, mesh, placements, role, roster_digest(names, shapes), block)
 
 
-def group_roster(entries: Iterable[RosterEntry | RosterGroup]) -> list[RosterGroup]:
+def group_roster(entries: Iterable[RosterEntry | RosterGroup], *,
+                 fp8_block: tuple[int, int] | None = None) -> list[RosterGroup]:
     """One rank's roster entries as groups, one per (layout, role): what a rank reports.
 
     Entries whose mesh or placements cannot key a group (an unhashable placement) stay
     groups of one, so ``merge_rosters`` still names their param when it rejects them.
+    ``fp8_block``: the scale block of this rank's FP8 destinations, carried by their groups.
     """
     out: list[RosterGroup] = []
     by_key: dict[tuple, list[RosterEntry]] = {}
@@ -304,15 +315,20 @@ def group_roster(entries: Iterable[RosterEntry | RosterGroup]) -> list[RosterGro
             continue
         key = _layout_key(e)
         if key is None:
-            out.append(RosterGroup.make((e.name,), (e.global_shape,), e.dtype, e.mesh, e.placements, e.role))
+            out.append(RosterGroup.make((e.name,), (e.global_shape,), e.dtype, e.mesh, e.placements, e.role,
+                                        _block_of(e, fp8_block)))
             continue
         by_key.setdefault((key, e.role), []).append(e)
     for es in by_key.values():
         es.sort(key=lambda x: x.name)
         e0 = es[0]
         out.append(RosterGroup.make([e.name for e in es], [e.global_shape for e in es], e0.dtype, e0.mesh,
-                                    e0.placements, e0.role))
+                                    e0.placements, e0.role, _block_of(e0, fp8_block)))
     return out
+
+
+def _block_of(e: RosterEntry, fp8_block: tuple[int, int] | None) -> tuple[int, int] | None:
+    return fp8_block if e.role == "dst" and str(e.dtype).startswith("float8") else None
 
 
 def index_digest(world_size: int, groups: Iterable[tuple]) -> str:
@@ -385,15 +401,18 @@ def derive_scale_sources(rosters: Mapping[int, Iterable[RosterEntry | RosterGrou
     """Add the sources of the block scales that FP8 destinations ask for and no rank reports.
 
     An engine that keeps ``X`` in FP8 needs ``X_scale_inv`` too, which no trainer holds: the
-    source ranks of ``X`` make it from their shards at every refit (they merge the block
-    amaxes, so each holds the whole grid). Every such name becomes a source replicated over
-    ``X``'s source mesh, in float32, reported for each of those ranks. Names are read once
-    per distinct group.
+    source ranks of ``X`` make it from their shards at every refit. Every such name becomes
+    a float32 source on ``X``'s source mesh, reported for each of those ranks: sharded like
+    ``X`` when every engine of ``X`` says its block and every source shard of ``X`` holds
+    whole blocks of it (``refit.plan.quant.scale_placements``: each rank then makes the
+    scales of its own blocks alone), and otherwise replicated (the ranks merge the block
+    amaxes, so each holds the whole grid). Names are read once per distinct group.
     """
     rosters = {r: group_roster(v) for r, v in rosters.items()}
     seen: set[tuple[str, str]] = set()
     sources: dict[str, RosterGroup] = {}
-    fp8_names: set[str] = set()
+    source_shapes: dict[str, tuple[int, ...]] = {}
+    fp8_blocks: dict[str, set] = defaultdict(set)  # FP8 weight -> the blocks its engines said (None: unsaid)
     scale_wants: dict[str, tuple[int, ...]] = {}
     for groups in rosters.values():
         for g in groups:
@@ -402,20 +421,27 @@ def derive_scale_sources(rosters: Mapping[int, Iterable[RosterEntry | RosterGrou
             seen.add((g.role, g.digest))
             if g.role == "src":
                 sources.update(dict.fromkeys(g.names, g))
+                source_shapes.update(zip(g.names, g.shapes))
             elif g.dtype.startswith("float8"):
-                fp8_names.update(g.names)
+                for n in g.names:
+                    fp8_blocks[n].add(None if g.block is None else tuple(g.block))
             else:
                 scale_wants.update((n, sh) for n, sh in zip(g.names, g.shapes) if n.endswith(SCALE_SUFFIX))
     derived: dict[int, list[RosterEntry]] = {}
     for name, shape in sorted(scale_wants.items()):
         weight = name[: -len(SCALE_SUFFIX)]
         src = sources.get(weight)
-        if name in sources or weight not in fp8_names or src is None:
+        if name in sources or weight not in fp8_blocks or src is None:
             continue
         mesh = np.asarray(src.mesh)
+        placements = None
+        blocks = fp8_blocks[weight]
+        if len(blocks) == 1 and None not in blocks:
+            placements = scale_placements(source_shapes[weight], mesh.shape, src.placements,
+                                          next(iter(blocks)))
+        placements = list(placements) if placements is not None else [Replicate()] * mesh.ndim
         for r in (int(x) for x in mesh.reshape(-1)):
-            derived.setdefault(r, []).append(
-                RosterEntry.make(name, shape, "float32", mesh.tolist(), [Replicate()] * mesh.ndim, "src"))
+            derived.setdefault(r, []).append(RosterEntry.make(name, shape, "float32", mesh.tolist(), placements, "src"))
     for r, entries in derived.items():
         rosters[r] = [*rosters.get(r, []), *group_roster(entries)]
     return rosters

@@ -384,7 +384,10 @@ class _RefitEndpoint:
             st.layouts[name] = (tuple(shard.tensor.shape), dt)
             entries.append(RosterEntry.make(name, shard.global_shape, dt, mesh, shard.placements, self._refit_role))
         st.shards = dict(shards)
-        return group_roster(entries)  # one entry per layout: the controller reads each distinct group once
+        # one entry per layout: the controller reads each distinct group once. An engine's FP8
+        # destinations say their block, so that trainers can make the scales of their own blocks
+        block = self.refit_fp8_block if self._refit_role == "dst" else None
+        return group_roster(entries, fp8_block=block)
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
@@ -517,6 +520,7 @@ class _RefitEndpoint:
                     "rank": st.spec.rank, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
                     "local_bytes": stats.local_bytes, "seconds": stats.seconds,
                     "sent": dict(stats.checksums_sent), "received": dict(stats.checksums_received),
+                    "quantize": stats.timing.get("quantize"),
                 }
             self._refit_drop_group(collect=True)
             cls, msg = failure
@@ -536,10 +540,15 @@ class _RefitEndpoint:
         with RefitAbortWatchdog(abortable, timeout_s):
             self.on_refit_start()
             src, dst = self._refit_sides(self._refit_local())
-            if st.quantized is not None:
-                src = st.quantized.refresh(src, st.group)
+            quantization = None
+            if st.quantized is not None:  # the scales now, the FP8 weights as the executor reaches them
+                quantization = st.quantized.begin(src, st.group)
+                src = quantization.tensors
             fault, st.fault = st.fault, None
-            return st.executor.run(src, dst, verify=verify, corrupt=fault)
+            stats = st.executor.run(src, dst, verify=verify, corrupt=fault, production=quantization)
+            if quantization is not None:
+                stats.timing["quantize"] = quantization.report()
+            return stats
 
     def refit_prepare_commit(self, epoch: int) -> dict:
         """Phase one of the commit: say whether this rank can switch to the transfer of ``epoch``.

@@ -14,7 +14,7 @@ rebinds first, so a trainer that replaces its parameters between steps still wor
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -77,6 +77,38 @@ def require_tensors(plan, src: TensorMap, dst: TensorMap) -> None:
             raise PlanError(f"rank {plan.rank}: {side} tensor(s) {missing} are in this rank's plan but were not given")
 
 
+class SourceProduction(abc.ABC):
+    """Source tensors that are made while a refit runs, not before it (e.g. FP8 copies of a trainer's shards).
+
+    Quantizing every shard before the first byte moves put the whole quantization ahead of
+    the wire. An executor that streams its plan asks for the tensors a group of its sends
+    reads just before packing or posting them, so making the next group overlaps the wire
+    of this one; any other executor makes them all first. ``produce`` is called from the
+    executor's thread (on its pack lane on a GPU); a name is made once per refit.
+    """
+
+    @abc.abstractmethod
+    def waiting(self, name: str) -> bool:
+        """Whether ``name`` is made by this production and not made yet in this refit."""
+
+    @abc.abstractmethod
+    def produce(self, names: Iterable[str]) -> bool:
+        """Make those of ``names`` still waiting; True when anything was made (or queued)."""
+
+    def produce_all(self) -> None:
+        """Make every tensor still waiting."""
+        self.produce(self.names())
+
+    @abc.abstractmethod
+    def names(self) -> list[str]:
+        """Every tensor this production makes."""
+
+
+def op_names(buckets) -> list[str]:
+    """The tensors the ops of ``buckets`` read or write, each once, in order."""
+    return list(dict.fromkeys(op.name for b in buckets for op in b.ops))
+
+
 class Executor(abc.ABC):
     """Runs one rank's plan over one transport; see the module docstring.
 
@@ -87,6 +119,9 @@ class Executor(abc.ABC):
     """
 
     transport: ClassVar[str] = ""
+    # whether ``_run`` takes a ``SourceProduction`` and makes its tensors as it goes; the
+    # others have it made whole before ``_run``
+    streams_production: ClassVar[bool] = False
 
     def __init__(self, plan, comm=None):
         self.plan = plan
@@ -107,8 +142,12 @@ class Executor(abc.ABC):
         self.binding = Binding.of(src, dst)
 
     def run(self, src: TensorMap | None = None, dst: TensorMap | None = None, *, verify: bool = False,
-            corrupt: Corruption | None = None) -> TransferStats:
-        """Move one refit. Tensors given here that are not the bound ones rebind first."""
+            corrupt: Corruption | None = None, production: SourceProduction | None = None) -> TransferStats:
+        """Move one refit. Tensors given here that are not the bound ones rebind first.
+
+        ``production`` makes some of the source tensors during this refit (see
+        ``SourceProduction``); they are bound like any other tensor, and read only once made.
+        """
         if self.closed:
             raise PlanError(f"{type(self).__name__}: run() after close()")
         if src is not None or dst is not None:
@@ -118,7 +157,12 @@ class Executor(abc.ABC):
                 self.prepare(src, dst)
         elif self.binding is None:
             self.prepare({}, {})
-        stats = self._run(verify=verify, corrupt=corrupt)
+        if production is not None and not self.streams_production:
+            production.produce_all()
+        if self.streams_production:
+            stats = self._run(verify=verify, corrupt=corrupt, production=production)
+        else:
+            stats = self._run(verify=verify, corrupt=corrupt)
         self.runs += 1
         return stats
 
@@ -145,4 +189,5 @@ class Executor(abc.ABC):
         return None
 
 
-__all__ = ["Binding", "Corruption", "Executor", "TensorMap", "TransferStats", "device_of", "require_tensors"]
+__all__ = ["Binding", "Corruption", "Executor", "SourceProduction", "TensorMap", "TransferStats", "device_of",
+           "op_names", "require_tensors"]

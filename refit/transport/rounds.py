@@ -10,6 +10,11 @@ already posted, so no rank can wait on a peer that is waiting on it, whatever th
 pattern. ``depth`` rounds are in flight at once: packing round ``i+1`` overlaps the
 wire of round ``i``, and staging memory stays bounded by ``depth x (send + receive
 buckets of one round)``.
+
+Source tensors made during the refit (``SourceProduction``: a trainer's FP8 copies) are
+made round by round, just before the first bucket that reads them is packed or posted, so
+quantizing the next round's params overlaps the wire of this one; a direct send that
+reads one waits for its round instead of going first.
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ import torch
 
 from refit.errors import PlanError
 from refit.plan import Bucket, RankPlan
-from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_tensors
+from refit.transport.base import (
+    Corruption,
+    Executor,
+    SourceProduction,
+    TensorMap,
+    TransferStats,
+    device_of,
+    op_names,
+    require_tensors,
+)
 from refit.transport.buckets import (
     ChecksumLedger,
     StagingPool,
@@ -47,6 +61,7 @@ class RoundsExecutor(Executor):
     """Runs a ``RankPlan`` by rounds on the host; see the module docstring."""
 
     transport = "rounds"
+    streams_production = True
 
     def __init__(self, plan: RankPlan, comm, *, depth: int = 2, device: torch.device | None = None):
         if depth < 1:
@@ -80,17 +95,22 @@ class RoundsExecutor(Executor):
             else:
                 self._staged_sends.setdefault(b.index, []).append(b)
 
-    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
+    def _run(self, *, verify: bool, corrupt: Corruption | None,
+             production: SourceProduction | None = None) -> TransferStats:
         stats = TransferStats()
         ledger = ChecksumLedger() if verify else None
         t0 = time.perf_counter()
         comm, src, dst = self.comm, self.src, self.dst
         # Blocks that need no staging go first and all at once: their receives write
         # straight into the destination tensors, so posting every one of them costs no
-        # memory, and nobody waits on them until the staged rounds are done.
+        # memory, and nobody waits on them until the staged rounds are done. A block of a
+        # tensor made during the refit waits for its round.
         direct_recvs = [_Posted(b, v, True, comm.irecv(v, b.peer, tag=b.index)) for b, v in self._direct_recvs]
-        direct_sends, corrupted_sends = [], []
+        direct_sends, corrupted_sends, deferred = [], [], {}
         for b, view in self._direct_sends:
+            if production is not None and any(production.waiting(op.name) for op in b.ops):
+                deferred.setdefault(b.index, []).append((b, view))
+                continue
             if corrupt is not None:  # a corrupted block must not touch the tensor: stage it
                 corrupted_sends.append(b)
                 if ledger is not None:
@@ -100,7 +120,9 @@ class RoundsExecutor(Executor):
         if ledger is not None:  # read while the wire reads them too: the sends are already posted
             for p in direct_sends:
                 ledger.sent((p.bucket.peer, p.bucket.index), p.buf)
-        stats.zero_copy_buckets = len(direct_recvs) + len(direct_sends)
+        stats.zero_copy_buckets = len(direct_recvs) + len(direct_sends) + sum(map(len, deferred.values()))
+        if production is not None:
+            production.produce(op_names(corrupted_sends))
         inflight: deque = deque()
         staging = 0
         for r in range(self.plan.num_rounds):
@@ -110,6 +132,21 @@ class RoundsExecutor(Executor):
                 staging += b.nbytes
                 recvs.append(_Posted(b, buf, False, comm.irecv(buf, b.peer, tag=b.index)))
             sends = []
+            if production is not None:
+                late = deferred.pop(r, [])
+                production.produce(op_names([*self._staged_sends.get(r, ()), *(b for b, _ in late)]))
+                for b, view in late:
+                    if corrupt is not None:  # as above: staged, summed from the tensor
+                        if ledger is not None:
+                            ledger.sent((b.peer, b.index), view)
+                        buf = pack_bucket(b, src, self._pool.take(b.nbytes))
+                        corrupt(b.peer, b.index, buf)
+                        staging += b.nbytes
+                        sends.append(_Posted(b, buf, False, comm.isend(buf, b.peer, tag=b.index)))
+                        continue
+                    sends.append(_Posted(b, view, True, comm.isend(view, b.peer, tag=b.index)))
+                    if ledger is not None:
+                        ledger.sent((b.peer, b.index), view)
             for b in self._staged_sends.get(r, ()):
                 buf = pack_bucket(b, src, self._pool.take(b.nbytes), ledger=ledger, key=(b.peer, b.index))
                 staging += b.nbytes
@@ -125,11 +162,11 @@ class RoundsExecutor(Executor):
             inflight.append((recvs, sends))
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, staging)
             if r == 0:
-                stats.local_bytes = local_copies(self.plan, src, dst)
+                stats.local_bytes = self._local(src, dst, production)
             while len(inflight) >= self.depth:
                 staging -= self._finish(inflight.popleft(), stats, ledger)
         if self.plan.num_rounds == 0:
-            stats.local_bytes = local_copies(self.plan, src, dst)
+            stats.local_bytes = self._local(src, dst, production)
         while inflight:
             staging -= self._finish(inflight.popleft(), stats, ledger)
         self._finish((direct_recvs, direct_sends), stats, ledger)
@@ -137,6 +174,11 @@ class RoundsExecutor(Executor):
             stats.checksums_sent, stats.checksums_received = ledger.settle()
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _local(self, src: TensorMap, dst: TensorMap, production: SourceProduction | None) -> int:
+        if production is not None:
+            production.produce(dict.fromkeys(op.name for op in self.plan.local))
+        return local_copies(self.plan, src, dst)
 
     def _finish(self, round_works, stats: TransferStats, ledger: ChecksumLedger | None) -> int:
         recvs, sends = round_works

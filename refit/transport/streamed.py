@@ -21,6 +21,11 @@ holds ``group_bytes`` or half the arena. Ranks may cut windows differently: ever
 a rank's current window is matched by an op in its peer's current or an earlier window,
 so the rank whose window ends first always completes, and no cycle of waits can form.
 
+Source tensors made during the refit (``SourceProduction``: a trainer's FP8 copies,
+quantized from its shards) are made on the pack lane, window by window, just before the
+first window that sends from them: quantizing the next window overlaps the wire of this
+one, and only the first window's share is ahead of the wire.
+
 The same code runs on CPU tensors over gloo (the lanes are the host, and a fence is a
 list of works to wait on), which is how the CPU tests exercise it.
 """
@@ -39,7 +44,16 @@ import torch
 from refit.comm.base import poll_until
 from refit.errors import TransportError
 from refit.plan import Bucket, RankPlan
-from refit.transport.base import Corruption, Executor, TensorMap, TransferStats, device_of, require_tensors
+from refit.transport.base import (
+    Corruption,
+    Executor,
+    SourceProduction,
+    TensorMap,
+    TransferStats,
+    device_of,
+    op_names,
+    require_tensors,
+)
 from refit.transport.buckets import ChecksumLedger, align, direct_view, local_copies, pack_bucket, unpack_bucket
 
 DEFAULT_STAGING_BUDGET = 1 << 30
@@ -313,6 +327,7 @@ class StreamedExecutor(Executor):
     """
 
     transport = "streamed"
+    streams_production = True
 
     def __init__(self, plan: RankPlan, comm, *, device: torch.device | None = None,
                  staging_budget_bytes: int | None = None, group_bytes: int | None = None, sync: bool = True,
@@ -397,7 +412,8 @@ class StreamedExecutor(Executor):
         return arena
 
     # -- run -------------------------------------------------------------------------------------
-    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
+    def _run(self, *, verify: bool, corrupt: Corruption | None,
+             production: SourceProduction | None = None) -> TransferStats:
         stats = TransferStats()
         t0 = time.perf_counter()
         lanes = self._lanes
@@ -420,8 +436,11 @@ class StreamedExecutor(Executor):
             marks["begin"].record(lanes.current)
         stats.timing["setup_s"] = time.perf_counter() - t0
         lanes.begin()
-        with lanes.on("unpack"):
-            stats.local_bytes = local_copies(self.plan, src, dst)
+        local_names = dict.fromkeys(op.name for op in self.plan.local)
+        made_locally = production is not None and any(production.waiting(n) for n in local_names)
+        if not made_locally:  # otherwise after the last window: making them first would delay the wire
+            with lanes.on("unpack"):
+                stats.local_bytes = local_copies(self.plan, src, dst)
         last_comm = last_unpack = None
         host_fences: list[Fence] = []  # gloo: every window's works, waited at the end at the latest
         for w in sched.windows:
@@ -452,13 +471,21 @@ class StreamedExecutor(Executor):
                     stats.bytes_sent += b.nbytes
                     stats.buckets_sent += 1
                 per_round.append((r, recv_ops, send_ops))
+            made = False
+            if production is not None:
+                with lanes.on("pack"):
+                    made = production.produce(op_names([b for b, _ in staged_sends + direct_sends]))
             if staged_sends:
                 with lanes.on("pack"):
                     for b, view in staged_sends:
                         pack_bucket(b, src, view, ledger=ledger, key=(b.peer, b.index))
                         if corrupt is not None:
                             corrupt(b.peer, b.index, view)
-                lanes.wait("comm", lanes.record("pack"))
+            if staged_sends or made:
+                packed = lanes.record("pack")
+                lanes.wait("comm", packed)
+                if made and ledger is not None and direct_sends:
+                    lanes.wait("unpack", packed)
             if ledger is not None and direct_sends:
                 # blocks sent from the tensors themselves: summed beside the wire, not ahead of it
                 # (the group never waits for them; nothing writes the sources during a refit)
@@ -498,6 +525,12 @@ class StreamedExecutor(Executor):
                 last_unpack = lanes.record("unpack")
                 for s_ in recv_slots:
                     s_.fence = last_unpack
+        if made_locally:
+            with lanes.on("pack"):
+                production.produce(local_names)
+            lanes.wait("unpack", lanes.record("pack"))
+            with lanes.on("unpack"):
+                stats.local_bytes = local_copies(self.plan, src, dst)
         if marks:
             marks["last_group"].record(lanes.comm_s)
             stats.timing["events"] = marks

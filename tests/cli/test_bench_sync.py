@@ -46,3 +46,7 @@ def test_fp8_engines_get_every_element_bit_exact_and_fewer_bytes():
     # the linear weights cross as one byte an element (and a scale a block), the norms and embeddings as bf16:
     # against two bytes an element of every param for each of the two engine shards in bf16
     assert fp8["bytes_per_step"] < 0.6 * (2 * 2 * fp8["params"])
+    # quantization: the kernels timed alone, and each raw refit's share ahead of and beside the wire
+    q = fp8["quantize"]
+    assert q["kernel_s"] > 0 and q["kernel_GBps"] > 0 and q["wire_GBps"] > 0
+    assert q["ahead_median_s"] > 0 and q["beside_median_s"] > 0

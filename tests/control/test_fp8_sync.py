@@ -19,10 +19,11 @@ from refit.plan.quant import BlockFp8, scale_name
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
 
 FMT = BlockFp8((16, 16))
-SHAPES = {"w1": (64, 40), "w2": (48, 50), "norm": (40,)}
-TRAIN = {"w1": Shard(0), "w2": Shard(1), "norm": Shard(0)}  # 3 ranks: 22/22/20 rows, 17/17/16 cols
-ENGINE = {"w1": Shard(0), "w2": Replicate(), "norm": Replicate()}  # w1: 32 rows a worker, on block boundaries
-QUANTIZED = ("w1", "w2")
+SHAPES = {"w1": (64, 40), "w2": (48, 50), "w3": (96, 40), "norm": (40,)}
+# 3 ranks: w1 22/22/20 rows and w2 17/17/16 cols cut blocks; w3's 32 rows a rank hold whole ones
+TRAIN = {"w1": Shard(0), "w2": Shard(1), "w3": Shard(0), "norm": Shard(0)}
+ENGINE = {"w1": Shard(0), "w2": Replicate(), "w3": Shard(0), "norm": Replicate()}  # on block boundaries
+QUANTIZED = ("w1", "w2", "w3")
 
 
 def full(name: str, step: int) -> torch.Tensor:
@@ -109,11 +110,16 @@ def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit():
             assert {id(e): e.wrong(step) for shard in engines for e in shard} == \
                 {id(e): [] for shard in engines for e in shard}
         # what crossed: one byte per FP8 element, four per scale, two per bf16 norm element. Every
-        # engine worker of shard 0 takes half of w1 and all of w2, shard 1's worker all of both
-        fp8_bytes = 2 * 64 * 40 + 3 * 48 * 50
-        scale_bytes = 4 * (2 * 4 * 3 + 3 * 3 * 4)  # w1's grid once a shard, w2's to every worker
+        # engine worker of shard 0 takes half of w1 and w3 and all of w2, shard 1's worker all of them
+        fp8_bytes = 2 * 64 * 40 + 3 * 48 * 50 + 2 * 96 * 40
+        scale_bytes = 4 * (2 * 4 * 3 + 3 * 3 * 4 + 2 * 6 * 3)  # w1's and w3's grids once a shard, w2's to every worker
         norm_bytes = 3 * 2 * 40
         assert result.bytes == fp8_bytes + scale_bytes + norm_bytes
+        # w3's trainer ranks made the scales of their own blocks, each from its shard alone (its
+        # grid's source is sharded like it); w1's and w2's merged the amaxes of their cut blocks
+        for t in trainers:
+            own = {n: p.own_blocks for n, p in t._refit_state().quantized.params.items()}
+            assert own == {"w1": False, "w2": False, "w3": True}
     finally:
         sync.shutdown()
 

@@ -16,6 +16,7 @@ import torch
 from helpers.layouts import full_tensor, local_slice, rosters_for
 from refit import Replicate, Shard
 from refit.plan import build_rank_plan, merge_rosters
+from refit.transport.base import SourceProduction
 from refit.transport.factory import make_executor
 
 S, R = Shard, Replicate
@@ -52,9 +53,58 @@ def _strided_like(shape, dtype, device):
     return wide[..., ::2]
 
 
+class FillOnDemand(SourceProduction):
+    """Source tensors written only when the executor asks for them, as a trainer's FP8 copies are.
+
+    Every made tensor is filled from ``fresh`` (until then it holds NaN, so a block sent
+    before its tensor was made lands wrong); each call that made something records how many
+    sends the rank had posted by then, to show the making overlaps the wire.
+    """
+
+    def __init__(self, src: dict, fresh: dict, posted: list[int]):
+        self.src, self.fresh, self.posted = src, fresh, posted
+        self._waiting = set(fresh)
+        self.calls: list[dict] = []
+        for n in fresh:
+            src[n].fill_(float("nan"))
+
+    def waiting(self, name: str) -> bool:
+        return name in self._waiting
+
+    def names(self) -> list[str]:
+        return sorted(self.fresh)
+
+    def produce(self, names) -> bool:
+        made = [n for n in names if n in self._waiting]
+        for n in made:
+            self._waiting.discard(n)
+            self.src[n].copy_(self.fresh[n])
+        if made:
+            self.calls.append({"made": made, "sends_posted": self.posted[0]})
+        return bool(made)
+
+
+def _count_sends(group) -> list[int]:
+    """Instrument the real communicator: how many sends this rank has posted (a one-item list)."""
+    posted = [0]
+    isend, p2p_group = group.isend, group.p2p_group
+
+    def counted_isend(tensor, peer, *args, **kwargs):
+        posted[0] += 1
+        return isend(tensor, peer, *args, **kwargs)
+
+    def counted_group(recvs, sends, *args, **kwargs):
+        posted[0] += len(sends)
+        return p2p_group(recvs, sends, *args, **kwargs)
+
+    group.isend, group.p2p_group = counted_isend, counted_group
+    return posted
+
+
 def reshard_model(group, cfg: dict) -> dict:
     """Plan ``cfg['params']`` (default: mixed_params) and run it ``cfg['iters']`` times with fresh
-    data each time; report per-iteration exactness and the executor's stats."""
+    data each time; report per-iteration exactness and the executor's stats. With
+    ``cfg['produced']`` those source tensors are made during each run (``FillOnDemand``)."""
     device = torch.device(cfg.get("device", "cpu"))
     if device.type == "cuda" and device.index is None:
         device = group.device
@@ -88,21 +138,33 @@ def reshard_model(group, cfg: dict) -> dict:
 
     if corrupt_at:
         run_kwargs["corrupt"] = corrupt
+    produced = set(cfg.get("produced", ()))
+    posted = _count_sends(group) if produced else [0]
+    out["productions"] = []
     # one executor for every iteration: it is made with the plan and reused, as in a refit loop
     executor = make_executor(plan, group, transport=cfg.get("pipeline", "auto"), device=device, **options)
     for it in range(cfg.get("iters", 3)):
-        expect = {}
+        expect, fresh = {}, {}
         for name, (shape, sm, sp, sdt, dsts) in meta.items():
             full = full_tensor(shape, 1000 * it + sum(map(ord, name)))
             if name in src:
-                src[name].copy_(local_slice(full.to(sdt), sm, sp, group.rank))
+                mine = local_slice(full.to(sdt), sm, sp, group.rank).to(device)
+                if name in produced:
+                    fresh[name] = mine
+                else:
+                    src[name].copy_(mine)
             for dm, dp, ddt in dsts:
                 want = local_slice(full.to(sdt).to(getattr(torch, ddt)), np.array(dm), dp, group.rank)
                 if want is not None:
                     expect[name] = want
         for t in dst.values():
             t.fill_(float("nan"))
-        stats = executor.run(src, dst, **run_kwargs)
+        production = FillOnDemand(src, fresh, posted) if produced else None
+        posted[0] = 0
+        stats = executor.run(src, dst, production=production, **run_kwargs)
+        if production is not None:
+            out["productions"].append({"calls": production.calls,
+                                       "left": [n for n in production.names() if production.waiting(n)]})
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         out["ok"].append(all(torch.equal(dst[n].cpu(), expect[n]) for n in expect))

@@ -30,7 +30,7 @@ from refit.models.fp8 import (
     quantize_reference,
     scales_from_amax,
 )
-from refit.plan.quant import BlockFp8, cut_blocks, scale_name
+from refit.plan.quant import BlockFp8, cut_blocks, scale_name, scale_placements
 
 
 def take(full: torch.Tensor, region) -> torch.Tensor:
@@ -81,6 +81,50 @@ def test_shard_by_shard_quantization_is_bit_identical_to_the_full_tensors(case):
         if not cuts.is_cut(block):
             assert whole[block], (case, block)  # ... for every block no boundary cuts
     assert cuts.count == sum(cuts.is_cut(b) for b in itertools.product(*(range(n) for n in cuts.grid)))
+
+
+@st.composite
+def often_whole_blocks(draw):
+    """Layouts whose dims are often whole numbers of blocks (a partial one at the end at times),
+    so that shards holding whole blocks are common, beside ``layouts()``'s arbitrary ones."""
+    case = draw(layouts())
+    if draw(st.booleans()):
+        br, bc = case["block"]
+        *lead, _, _ = case["shape"]
+        rows = br * draw(st.integers(1, 8)) - draw(st.sampled_from([0, 0, 0, br // 2]))
+        cols = bc * draw(st.integers(1, 8)) - draw(st.sampled_from([0, 0, 0, bc // 2]))
+        case["shape"] = (*lead, rows, cols)
+    return case
+
+
+@settings(max_examples=300, deadline=None)
+@given(often_whole_blocks())
+def test_scales_are_sharded_like_the_weight_exactly_when_each_rank_makes_its_own_blocks_alone(case):
+    """Where ``scale_placements`` gives placements, every rank quantizing its shard on its own gets
+    the reference bits and the reference scales of the grid shard those placements give it;
+    where it gives none, some shard cuts a block or is not one interval per blocked dim."""
+    fmt = BlockFp8(case["block"], case["fmt"])
+    shape, mesh, placements = case["shape"], case["mesh"], case["placements"]
+    got = scale_placements(shape, mesh.shape, placements, fmt.block)
+    regions = {c: shard_region(shape, mesh.shape, c, placements) for c in np.ndindex(*mesh.shape)}
+    if got is None:
+        assert cut_blocks(shape, mesh, placements, fmt).count or any(
+            len(d) > 1 for r in regions.values() for d in r[-2:]) or any(
+            r[:-2] != shard_region(fmt.scale_shape(shape), mesh.shape, c, placements)[:-2]
+            for c, r in regions.items()), case
+        return
+    assert tuple(got) == tuple(placements)
+    full = weights(shape, case["seed"])
+    want_q, want_s = quantize_reference(full, fmt)
+    for c, r in regions.items():
+        grid = shard_region(fmt.scale_shape(shape), mesh.shape, c, got)
+        local = take(full, r)
+        if local.numel() == 0:
+            assert take(want_s, grid).numel() == 0, (case, c)
+            continue
+        q, s = quantize_aligned(local, fmt)
+        assert torch.equal(s, take(want_s, grid)), (case, c)
+        assert torch.equal(q.view(torch.uint8), take(want_q.view(torch.uint8), r)), (case, c)
 
 
 @settings(max_examples=100, deadline=None)

@@ -31,6 +31,34 @@ def test_plan_matches_on_gloo(fleet, pipeline):
         assert sum(o["stats"][0]["groups"] for o in out) > WORLD, "rounds were split into several windows"
 
 
+@pytest.mark.parametrize("pipeline", ["streamed", "rounds"])
+def test_sources_made_during_the_refit_are_made_round_by_round_beside_the_wire(fleet, pipeline):
+    """Source tensors a production makes (a trainer's FP8 copies) hold NaN until made: every
+    element still lands exact, each is made once, and ranks make some only after their first
+    sends were posted. With checksums and a corrupted bucket the corruption is still caught."""
+    produced = ["a", "d", "e", "f", "g"]  # "b", "c": there before the run, as bf16 params beside FP8 ones
+    cfg = {"pipeline": pipeline, "bucket_bytes": 256, "iters": 2, "strided_dst": ["f"], "produced": produced}
+    if pipeline == "streamed":
+        cfg.update(staging_budget_bytes=8 << 10, group_bytes=2 << 10)
+    out = fleet.run(comm_jobs.reshard_model, cfg, timeout_s=120)
+    overlapped = 0
+    for o in out:
+        assert o["ok"] == [True, True], o["rank"]
+        for p in o["productions"]:
+            made = [n for call in p["calls"] for n in call["made"]]
+            assert p["left"] == [] and len(made) == len(set(made)), (o["rank"], p)
+            overlapped += any(call["sends_posted"] > 0 for call in p["calls"])
+    assert overlapped, "some rank made a source tensor after it had posted sends"
+    base = dict(cfg, iters=1, verify=True)
+    clean = fleet.run(comm_jobs.reshard_model, base, timeout_s=60)
+    sent = {(o["rank"], p, i): v for o in clean for (p, i), v in o["stats"][0]["sums_sent"].items()}
+    target = sorted(sent)[0]
+    bad = fleet.run(comm_jobs.reshard_model, dict(base, corrupt=list(target)), timeout_s=60)
+    sent = {(o["rank"], p, i): v for o in bad for (p, i), v in o["stats"][0]["sums_sent"].items()}
+    got = {(p, o["rank"], i): v for o in bad for (p, i), v in o["stats"][0]["sums_received"].items()}
+    assert [k for k in sent if sent[k] != got[k]] == [target]
+
+
 def test_streamed_budget_too_small_is_a_clear_error(fleet):
     cfg = {"pipeline": "streamed", "bucket_bytes": 1024, "iters": 1, "staging_budget_bytes": 512}
     with pytest.raises(Exception, match="staging_budget_bytes=512"):
