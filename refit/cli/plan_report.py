@@ -485,9 +485,28 @@ def build_report(args) -> dict:
         v["rebuild"] = rebuild(merge["merge_rosters_cpu_seconds"], plan_cpu, v["connections"])
         variants.append(v)
     report["variants"] = variants
+    if args.engine_dtype == "fp8":
+        report["quantization"] = quantization_summary(index, [r for r in sample_ranks(train.world, index.world_size)
+                                                              if r < train.world])
     if args.scaling:
         report["scaling"] = scaling(args, model, train, args.repeats)
     return report
+
+
+def quantization_summary(index, ranks: list[int]) -> dict:
+    """Per sampled trainer rank: how many FP8 params it quantizes at pack from its own blocks,
+    how many after merging partial amaxes (shards that cut blocks), and the amax bytes it merges."""
+    from refit.plan.quant import MERGE_AMAX_THEN_QUANTIZE, QUANTIZE_AT_PACK, plan_quantization
+
+    rows = []
+    for r in ranks:
+        names = [n for n in index.by_rank.get(r, ()) if index.specs[n].src.coords(r) is not None]
+        plan = plan_quantization(index, r, names)
+        ops = plan.ops if plan is not None else ()
+        rows.append({"rank": r, "at_pack": sum(op.mode == QUANTIZE_AT_PACK for op in ops),
+                     "merged_amax": sum(op.mode == MERGE_AMAX_THEN_QUANTIZE for op in ops),
+                     "merged_amax_bytes": plan.merged_amax_bytes if plan is not None else 0})
+    return {"samples": rows}
 
 
 def variant_keys(args, world: int) -> list[str]:
@@ -555,6 +574,10 @@ def _print_text(report: dict) -> None:
         ph = "; ".join(f"{p['name']} {p['seconds'] * 1e3:.0f} ms (rank {p['bottleneck_rank']} {p['bottleneck_port']})"
                        for p in v["simulated"]["phases"])
         print(f"  {v['variant']}: {ph}; bound: {v['lower_bound']['binding']}")
+    if "quantization" in report:
+        print("  fp8: " + "; ".join(f"rank {q['rank']} quantizes {q['at_pack']} params at pack from its own blocks, "
+                                     f"{q['merged_amax']} after merging amaxes ({q['merged_amax_bytes']} B)"
+                                     for q in report["quantization"]["samples"]))
     for row in report.get("scaling", []):
         print(f"  scaling: {row['engine_ranks']:>5} engine ranks ({row['engine']}): one rank's plan "
               f"max {row['max_seconds'] * 1e3:.1f} ms wall, {row['max_cpu_seconds'] * 1e3:.1f} ms CPU "

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from refit.errors import LayoutError, PlanError
-from refit.layout import Interval, Region, normalize_mesh, normalize_placements, shard_region
+from refit.layout import Interval, Region, Replicate, normalize_mesh, normalize_placements, shard_region
 
-__all__ = ["FP8_FORMATS", "BlockFp8", "CutBlocks", "check_fp8_destinations", "cut_blocks", "scale_name",
+__all__ = ["FP8_FORMATS", "MERGE_AMAX_THEN_QUANTIZE", "QUANTIZE_AT_PACK", "BlockFp8", "CutBlocks",
+           "QuantizationPlan", "QuantizeOp", "check_fp8_destinations", "cut_blocks", "plan_quantization", "scale_name",
            "scale_placements"]
 
 # name -> (torch dtype name, largest finite value)
@@ -164,6 +165,118 @@ def _holds_whole_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], pla
             if a % size or (b % size and b != n) or g[0] != (a // size, -(-b // size)):
                 return False
     return True
+
+
+QUANTIZE_AT_PACK = "quantize at pack"
+MERGE_AMAX_THEN_QUANTIZE = "partial amax then quantize"
+_FORMAT_OF = {dtype: fmt for fmt, (dtype, _) in FP8_FORMATS.items()}
+
+
+@dataclass(frozen=True)
+class QuantizeOp:
+    """How one source rank makes the FP8 copy and the scales of one param it sends.
+
+    ``mode`` is ``QUANTIZE_AT_PACK`` when its shard holds whole blocks and its scale grid is
+    sourced sharded like it: the rank makes its blocks' amaxes, scales and FP8 from its shard
+    alone, when the executor first packs it. ``MERGE_AMAX_THEN_QUANTIZE`` when a shard
+    boundary cuts a block: before the transfer the ranks of ``members`` merge their partial
+    block amaxes (each then holds the whole grid, sent like a replicated tensor), and the
+    FP8 is made at pack.
+    """
+
+    name: str
+    shape: tuple[int, ...]  # the weight's global shape
+    region: Region  # where this rank's shard sits in it
+    members: tuple[int, ...]  # the weight's source ranks, sorted
+    mode: str
+
+    @property
+    def scale(self) -> str:
+        return scale_name(self.name)
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """What one source rank quantizes at every refit: one ``QuantizeOp`` per param an engine keeps in FP8."""
+
+    rank: int
+    fmt: BlockFp8
+    ops: tuple[QuantizeOp, ...]
+
+    def scale_shape(self, op: QuantizeOp) -> tuple[int, ...]:
+        """The scales this rank holds for ``op``: those of its own blocks, or the whole grid."""
+        if op.mode == MERGE_AMAX_THEN_QUANTIZE:
+            return self.fmt.scale_shape(op.shape)
+        *lead, rows, cols = (sum(b - a for a, b in d) for d in op.region)
+        br, bc = self.fmt.block
+        return (*lead, -(-rows // br), -(-cols // bc))
+
+    def merges(self) -> list[tuple[tuple[int, ...], list[str]]]:
+        """The amax merges, one per source mesh (its ranks, its params' names), sorted alike on every rank."""
+        by_mesh: dict[tuple[int, ...], list[str]] = {}
+        for op in self.ops:
+            if op.mode == MERGE_AMAX_THEN_QUANTIZE:
+                by_mesh.setdefault(op.members, []).append(op.name)
+        return sorted((m, sorted(ns)) for m, ns in by_mesh.items())
+
+    @property
+    def merged_amax_bytes(self) -> int:
+        """float32 bytes of amax grid this rank sends to be merged (0 when every op quantizes at pack)."""
+        return sum(4 * math.prod(self.fmt.scale_shape(op.shape)) for op in self.ops
+                   if op.mode == MERGE_AMAX_THEN_QUANTIZE and len(op.members) > 1)
+
+
+def plan_quantization(index: Any, rank: int, names: Sequence[str], *, block: tuple[int, int] = (128, 128),
+                      label: str = "trainer") -> QuantizationPlan | None:
+    """The quantization of the params ``names`` that ``rank`` sends and some destination keeps in
+    FP8 (None: none). Pure: every source rank derives its own from the merged index.
+
+    Refuses, naming the param: destinations wanting one param in FP8 and in another dtype, a
+    scale grid no engine asks for or of the wrong shape, more than one FP8 format, and a
+    scale grid sourced sharded by engines whose block differs from ``block``.
+    """
+    ops, formats = [], set()
+    for name in sorted(names):
+        spec = index.specs.get(name)
+        if spec is None:
+            continue
+        dtypes = {d.dtype for d in spec.dsts}
+        fp8 = {d for d in dtypes if d.startswith("float8")}
+        if not fp8:
+            continue
+        if len(dtypes) > 1:
+            raise PlanError(f"{label}: {name}: destinations want it as {sorted(dtypes)}; a param goes to all its "
+                            "engines in FP8 or to none (one FP8 copy is made per trainer rank)")
+        dtype = fp8.pop()
+        if dtype not in _FORMAT_OF:
+            raise PlanError(f"{label}: {name}: no block-scaled format for {dtype}")
+        fmt = BlockFp8(block, _FORMAT_OF[dtype])
+        formats.add(fmt)
+        scales = index.specs.get(scale_name(name))
+        if scales is None:
+            raise PlanError(f"{label}: {name}: its engines keep it in {dtype} but none asks for "
+                            f"{scale_name(name)}, so its values could not be read back")
+        if tuple(scales.shape) != fmt.scale_shape(spec.shape):
+            raise PlanError(f"{label}: {scale_name(name)} is {list(scales.shape)}, not the scale grid "
+                            f"{list(fmt.scale_shape(spec.shape))} of {block[0]}x{block[1]} blocks of a "
+                            f"{list(spec.shape)} weight")
+        src = spec.src
+        region = shard_region(spec.shape, src.mesh_shape, src.coords(rank), src.placements)
+        # at pack when the grid is laid out as the weight and its shards hold whole blocks (a
+        # replicated weight always does); a grid sharded otherwise was derived for another block
+        own = scale_placements(spec.shape, src.mesh_shape, src.placements, block)
+        grid_placements = normalize_placements(scales.src.placements)
+        if own is None and any(not isinstance(p, Replicate) for p in grid_placements):
+            raise PlanError(f"{label}: {scale_name(name)}: its source is sharded like {name}, whose shards do not "
+                            f"hold whole {block[0]}x{block[1]} blocks; the engines and the trainer disagree on "
+                            "the block size (set refit_fp8_block alike on both)")
+        ops.append(QuantizeOp(name, tuple(spec.shape), region, tuple(sorted(src.mesh_ranks)),
+                              QUANTIZE_AT_PACK if own == grid_placements else MERGE_AMAX_THEN_QUANTIZE))
+    if not ops:
+        return None
+    if len(formats) > 1:
+        raise PlanError(f"{label}: the engines want more than one FP8 format ({sorted(f.fmt for f in formats)})")
+    return QuantizationPlan(rank, formats.pop(), tuple(ops))
 
 
 def check_fp8_destinations(index: Any, rank: int, block: tuple[int, int], *, label: str = "engine") -> None:

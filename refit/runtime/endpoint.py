@@ -45,7 +45,7 @@ from refit.plan import (
     check_local_shapes,
     group_roster,
 )
-from refit.plan.quant import check_fp8_destinations
+from refit.plan.quant import check_fp8_destinations, plan_quantization
 from refit.runtime.fp8_sources import QuantizedSources
 from refit.runtime.handles import listening_sockets
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
@@ -419,9 +419,10 @@ class _RefitEndpoint:
             st.quantized = None
             if self._refit_role == "src":
                 # params an engine keeps in FP8 leave this rank quantized, with their scales
-                st.quantized = QuantizedSources.for_index(index, rank, local, block=self.refit_fp8_block,
-                                                          label=self._refit_label())
-                if st.quantized is not None:
+                quantization = plan_quantization(index, rank, list(local), block=self.refit_fp8_block,
+                                                 label=self._refit_label())
+                if quantization is not None:
+                    st.quantized = QuantizedSources(quantization, local)
                     local = st.quantized.executor_tensors(local)
             else:
                 check_fp8_destinations(index, rank, self.refit_fp8_block, label=self._refit_label())

@@ -6,11 +6,14 @@ bf16, from an FP8 copy of their shard made once per build and rewritten at every
 The result is bit for bit what quantizing the full tensor gives (``refit.models.fp8``),
 whatever the shard boundaries, in one of two ways:
 
-* **Own blocks** (most layouts: every shard holds whole blocks, and the scale grid's
+Each param's way is a ``QuantizeOp`` of the rank's ``QuantizationPlan``
+(``refit.plan.quant.plan_quantization``):
+
+* **Quantize at pack** (most layouts: every shard holds whole blocks, and the scale grid's
   source is sharded like the weight, ``refit.plan.quant.scale_placements``): a rank makes
   its blocks' amaxes, scales and FP8 weight from its shard alone, when the executor first
   reaches the param. Nothing runs ahead of the wire, and no message is exchanged.
-* **Cut blocks** (a shard boundary inside a block): before the executor starts, each rank
+* **Partial amax then quantize** (a shard boundary inside a block): before the executor starts, each rank
   takes its shard's partial block amaxes and the ranks of the param's source mesh merge
   them (through the mesh's lowest rank, one message each way per mesh for all its params
   at once). Every one of them then holds the whole scale grid and sends it like a
@@ -23,14 +26,10 @@ wire (on one H200 the refit into FP8 engines took longer than the bf16 one it ha
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-from refit.errors import PlanError
-from refit.layout import Region, Replicate, shard_region
 from refit.models.fp8 import (
     aligned_amax,
     factors_from_amax,
@@ -39,85 +38,25 @@ from refit.models.fp8 import (
     quantize_local,
     scales_from_amax,
 )
-from refit.plan import ParamIndex
-from refit.plan.quant import FP8_FORMATS, BlockFp8, scale_name, scale_placements
+from refit.plan.quant import QUANTIZE_AT_PACK, QuantizationPlan, QuantizeOp, scale_name
 from refit.transport.base import SourceProduction
 from refit.transport.quantized import merge_max
 
 __all__ = ["Quantization", "QuantizedSources"]
 
-_FORMAT_OF = {dtype: fmt for fmt, (dtype, _) in FP8_FORMATS.items()}
-
-
-@dataclass(frozen=True)
-class _Param:
-    name: str
-    shape: tuple[int, ...]
-    region: Region
-    members: tuple[int, ...]  # the ranks of its source mesh, sorted
-    own_blocks: bool  # its scales are sharded like it: this rank makes those of its own blocks alone
-
-
 class QuantizedSources:
-    """The FP8 copies and scale grids of one trainer rank, for the params its engines keep in FP8."""
+    """The FP8 copies and scale grids of one trainer rank, made as its ``QuantizationPlan`` says."""
 
-    def __init__(self, rank: int, fmt: BlockFp8, params: list[_Param], shards: Mapping[str, torch.Tensor]):
-        self.rank, self.fmt = rank, fmt
-        self.params = {p.name: p for p in params}
-        dtype = getattr(torch, fmt.dtype_name)
-        self.weights = {p.name: torch.empty(shards[p.name].shape, dtype=dtype, device=shards[p.name].device)
-                        for p in params}
-        self.scales = {scale_name(p.name): torch.empty(self._grid_shape(p), dtype=torch.float32,
-                                                        device=shards[p.name].device) for p in params}
-        by_mesh: dict[tuple[int, ...], list[str]] = defaultdict(list)
-        for p in params:
-            if not p.own_blocks:
-                by_mesh[p.members].append(p.name)
-        self.meshes = sorted((m, sorted(ns)) for m, ns in by_mesh.items())
+    def __init__(self, plan: QuantizationPlan, shards: Mapping[str, torch.Tensor]):
+        self.plan, self.rank, self.fmt = plan, plan.rank, plan.fmt
+        self.params = {op.name: op for op in plan.ops}
+        dtype = getattr(torch, plan.fmt.dtype_name)
+        self.weights = {op.name: torch.empty(shards[op.name].shape, dtype=dtype, device=shards[op.name].device)
+                        for op in plan.ops}
+        self.scales = {op.scale: torch.empty(plan.scale_shape(op), dtype=torch.float32,
+                                             device=shards[op.name].device) for op in plan.ops}
+        self.meshes = plan.merges()
         self._compiled = None
-
-    @classmethod
-    def for_index(cls, index: ParamIndex, rank: int, shards: Mapping[str, torch.Tensor], *,
-                  block: tuple[int, int] = (128, 128), label: str = "trainer") -> QuantizedSources | None:
-        """The params of ``shards`` that some destination keeps in FP8; None when there are none."""
-        params, formats = [], set()
-        for name in sorted(shards):
-            spec = index.specs.get(name)
-            if spec is None:
-                continue
-            dtypes = {d.dtype for d in spec.dsts}
-            fp8 = {d for d in dtypes if d.startswith("float8")}
-            if not fp8:
-                continue
-            if len(dtypes) > 1:
-                raise PlanError(f"{label}: {name}: destinations want it as {sorted(dtypes)}; a param goes to all its "
-                                "engines in FP8 or to none (one FP8 copy is made per trainer rank)")
-            dtype = fp8.pop()
-            if dtype not in _FORMAT_OF:
-                raise PlanError(f"{label}: {name}: no block-scaled format for {dtype}")
-            fmt = BlockFp8(block, _FORMAT_OF[dtype])
-            formats.add(fmt)
-            scales = index.specs.get(scale_name(name))
-            if scales is None:
-                raise PlanError(f"{label}: {name}: its engines keep it in {dtype} but none asks for "
-                                f"{scale_name(name)}, so its values could not be read back")
-            if tuple(scales.shape) != fmt.scale_shape(spec.shape):
-                raise PlanError(f"{label}: {scale_name(name)} is {list(scales.shape)}, not the scale grid "
-                                f"{list(fmt.scale_shape(spec.shape))} of {block[0]}x{block[1]} blocks of a "
-                                f"{list(spec.shape)} weight")
-            src = spec.src
-            region = shard_region(spec.shape, src.mesh_shape, src.coords(rank), src.placements)
-            sharded = any(not isinstance(p, Replicate) for p in scales.src.placements)
-            if sharded and scale_placements(spec.shape, src.mesh_shape, src.placements, block) is None:
-                raise PlanError(f"{label}: {scale_name(name)}: its source is sharded like {name}, whose shards do not "
-                                f"hold whole {block[0]}x{block[1]} blocks; the engines and the trainer disagree on "
-                                "the block size (set refit_fp8_block alike on both)")
-            params.append(_Param(name, tuple(spec.shape), region, tuple(sorted(src.mesh_ranks)), sharded))
-        if not params:
-            return None
-        if len(formats) > 1:
-            raise PlanError(f"{label}: the engines want more than one FP8 format ({sorted(f.fmt for f in formats)})")
-        return cls(rank, formats.pop(), params, shards)
 
     def executor_tensors(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the executor sends from: the FP8 copies in place of the quantized params, and the scales."""
@@ -145,19 +84,18 @@ class QuantizedSources:
         """Amax and quantize every param from this rank's shards alone, without the merge: the
         kernels a refit runs, for a benchmark to time. Returns the bytes read (the shards')."""
         for n, p in self.params.items():
-            self._quantize(n, local[n], None if p.own_blocks else self._partial_amax(local[n], p))
+            self._quantize(n, local[n], None if p.mode == QUANTIZE_AT_PACK else self._partial_amax(local[n], p))
         return sum(local[n].numel() * local[n].element_size() for n in self.params)
 
     def _quantize(self, name: str, x: torch.Tensor, amax: torch.Tensor | None) -> None:
-        """Write ``name``'s FP8 copy from its shard ``x``: given the merged amax grid, or (own
-        blocks, ``amax`` None) with the amaxes and scales of its own blocks made here."""
+        """Write ``name``'s FP8 copy from its shard ``x``: given the merged amax grid, or (quantize
+        at pack, ``amax`` None) with the amaxes and scales of its own blocks made here."""
         p = self.params[name]
         blocks = self._blocks(p)
         amax_fn, quantize_fn = self._kernels(x)
-        if p.own_blocks:
-            own = amax_fn(x, self.fmt) if x.numel() else torch.zeros(self.scales[scale_name(name)].shape,
-                                                                      device=x.device)
-            self.scales[scale_name(name)].copy_(scales_from_amax(own, self.fmt))
+        if p.mode == QUANTIZE_AT_PACK:
+            own = amax_fn(x, self.fmt) if x.numel() else torch.zeros(self.scales[p.scale].shape, device=x.device)
+            self.scales[p.scale].copy_(scales_from_amax(own, self.fmt))
             if x.numel():
                 self.weights[name].copy_(quantize_fn(x, factors_from_amax(own, self.fmt), self.fmt))
         elif blocks is None:
@@ -165,18 +103,10 @@ class QuantizedSources:
         else:
             self.weights[name].copy_(quantize_fn(x, factors_from_amax(amax[blocks], self.fmt), self.fmt))
 
-    def _grid_shape(self, p: _Param) -> tuple[int, ...]:
-        """The scales this rank holds: the whole grid, or those of its own blocks."""
-        if not p.own_blocks:
-            return self.fmt.scale_shape(p.shape)
-        *lead, rows, cols = (sum(b - a for a, b in d) for d in p.region)
-        br, bc = self.fmt.block
-        return (*lead, -(-rows // br), -(-cols // bc))
-
     # A shard that starts on a block boundary (most do: even TP, FSDP's dim-0 chunks of
     # multiples of 128) is quantized in block-shaped views, two passes that torch.compile
     # fuses on a GPU; any other takes the general path, which gathers a scale per element.
-    def _blocks(self, p: _Param) -> tuple[slice, ...] | None:
+    def _blocks(self, p: QuantizeOp) -> tuple[slice, ...] | None:
         """The slice of the scale grid that ``p``'s shard covers, if it is one box starting on a block."""
         if any(len(intervals) != 1 for intervals in p.region):
             return None
@@ -188,7 +118,7 @@ class QuantizedSources:
         return (*(slice(a, b) for a, b in lead), slice(rows[0] // br, -(-rows[1] // br)),
                 slice(cols[0] // bc, -(-cols[1] // bc)))
 
-    def _partial_amax(self, x: torch.Tensor, p: _Param) -> torch.Tensor:
+    def _partial_amax(self, x: torch.Tensor, p: QuantizeOp) -> torch.Tensor:
         blocks = self._blocks(p)
         if blocks is None:
             return partial_amax(x, p.region, p.shape, self.fmt)
@@ -230,7 +160,7 @@ class Quantization(SourceProduction):
         self._local, self._merged = local, merged
         # a name the executor reads -> the param that making it makes (own blocks: the scales too)
         self._param_of = {n: n for n in sources.params}
-        self._param_of.update({scale_name(n): n for n, p in sources.params.items() if p.own_blocks})
+        self._param_of.update({p.scale: n for n, p in sources.params.items() if p.mode == QUANTIZE_AT_PACK})
         self._waiting = set(self._param_of)
         self.made: list[str] = []  # in the order they were made
         # host seconds: the amaxes, their merge and the scales, before the executor starts; and

@@ -15,7 +15,7 @@ import torch
 import refit
 from refit.layout import Replicate, Shard, region_shape, shard_region
 from refit.models.fp8 import quantize_reference
-from refit.plan.quant import BlockFp8, scale_name
+from refit.plan.quant import MERGE_AMAX_THEN_QUANTIZE, QUANTIZE_AT_PACK, BlockFp8, scale_name
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
 
 FMT = BlockFp8((16, 16))
@@ -118,8 +118,10 @@ def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit():
         # w3's trainer ranks made the scales of their own blocks, each from its shard alone (its
         # grid's source is sharded like it); w1's and w2's merged the amaxes of their cut blocks
         for t in trainers:
-            own = {n: p.own_blocks for n, p in t._refit_state().quantized.params.items()}
-            assert own == {"w1": False, "w2": False, "w3": True}
+            plan = t._refit_state().quantized.plan
+            merged = MERGE_AMAX_THEN_QUANTIZE
+            assert {op.name: op.mode for op in plan.ops} == {"w1": merged, "w2": merged, "w3": QUANTIZE_AT_PACK}
+            assert plan.merged_amax_bytes == 4 * (4 * 3 + 3 * 4)  # w1's and w2's grids, not w3's
     finally:
         sync.shutdown()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers.reference_merge import reference_merge
 from helpers.tiny_models import MODELS_AND_LAYOUTS
@@ -11,7 +13,7 @@ from refit.layout import Replicate
 from refit.models import build_index, build_roster_groups, build_rosters, parse_engine, parse_train
 from refit.models.parallel import LayoutBuilder
 from refit.plan import build_rank_plan, itemsize, merge_rosters
-from refit.plan.quant import BlockFp8, scale_name
+from refit.plan.quant import BlockFp8, scale_name, scale_placements
 
 
 def _received_bytes(index) -> int:
@@ -34,8 +36,12 @@ def test_fp8_engines_get_fp8_linear_weights_and_their_scales_laid_out_alike(mode
         w, s = index.specs[p.name], index.specs[scale_name(p.name)]
         assert all(d.dtype == "float8_e4m3fn" for d in w.dsts) and w.src.dtype == model.dtype
         assert s.shape == fmt.scale_shape(p.shape)
-        # every source rank of the weight holds the whole scale grid; each engine rank its weight's share
-        assert s.src.mesh_ranks == w.src.mesh_ranks and set(s.src.placements) == {Replicate()}
+        # the grid's source: laid out as the weight where its shards hold whole blocks (each rank
+        # makes its own blocks' scales), else replicated over its ranks (they merge the amaxes)
+        own = scale_placements(p.shape, w.src.mesh_shape, w.src.placements, fmt.block)
+        assert s.src.mesh_ranks == w.src.mesh_ranks
+        assert s.src.placements == (own if own is not None else (Replicate(),) * len(w.src.mesh_shape))
+        # each engine rank gets its weight's share
         assert [(d.mesh_ranks, d.placements) for d in s.dsts] == [(d.mesh_ranks, d.placements) for d in w.dsts]
         assert all(d.dtype == "float32" for d in s.dsts)
     for n, p in names.items():
@@ -58,3 +64,24 @@ def test_fp8_moves_about_half_the_bytes_of_bf16():
     # blocks are few; FP8 elements are one byte against two
     assert fp8 < bf16 * 0.8
     assert itemsize("float8_e4m3fn") == 1
+
+
+def test_a_trainer_whose_shards_hold_whole_blocks_quantizes_every_fp8_param_at_pack():
+    """Llama-3-8B's widths are multiples of 128: TP2 shards hold whole blocks, so every grid is
+    sourced sharded like its weight and no trainer rank merges an amax."""
+    from refit.models import get_model
+    from refit.plan.quant import QUANTIZE_AT_PACK, plan_quantization
+
+    model = dataclasses.replace(get_model("llama3-8b"), num_layers=1)
+    t, e = parse_train("tp=2", world=2), parse_engine("tp=1", world=1)
+    index = build_index(model, t, e, engine_dtype="fp8")
+    grids = [index.specs[n] for n in index.specs if n.endswith("_scale_inv")]
+    assert len(grids) == 7
+    for s in grids:
+        w = index.specs[s.name.removesuffix("_scale_inv")]
+        assert s.src.placements == w.src.placements and any(not isinstance(p, Replicate) for p in s.src.placements)
+    for rank in range(2):
+        names = [n for n in index.by_rank[rank] if index.specs[n].src.coords(rank) is not None]
+        plan = plan_quantization(index, rank, names)
+        assert len(plan.ops) == 7 and {op.mode for op in plan.ops} == {QUANTIZE_AT_PACK}
+        assert plan.merged_amax_bytes == 0

@@ -193,3 +193,42 @@ def test_fp8_destinations_get_scale_sources_or_a_named_refusal():
     check_fp8_destinations(index, 2, (16, 16))
     with pytest.raises(PlanError, match=r"w_scale_inv is \[2, 2\], not the scale grid \[4, 4\] of 8x8 blocks"):
         check_fp8_destinations(index, 2, (8, 8))
+
+
+def test_each_fp8_param_is_planned_at_pack_when_its_shards_hold_whole_blocks_else_with_merged_amaxes():
+    from refit.errors import PlanError
+    from refit.plan import RosterEntry, group_roster, merge_rosters
+    from refit.plan.quant import MERGE_AMAX_THEN_QUANTIZE, QUANTIZE_AT_PACK, plan_quantization
+
+    def rosters(engine_block):
+        src = {r: [RosterEntry.make("whole", (96, 40), "bfloat16", [0, 1, 2], [Shard(0)], "src"),  # 32 rows a rank
+                   RosterEntry.make("cut", (64, 40), "bfloat16", [0, 1, 2], [Shard(0)], "src"),  # 22/22/20 rows
+                   RosterEntry.make("norm", (40,), "bfloat16", [0, 1, 2], [Replicate()], "src")] for r in range(3)}
+        dst = [RosterEntry.make(n, s, "float8_e4m3fn", [3], [Replicate()], "dst") for n, s in
+               (("whole", (96, 40)), ("cut", (64, 40)))]
+        dst += [RosterEntry.make(f"{n}_scale_inv", s, "float32", [3], [Replicate()], "dst") for n, s in
+                (("whole", (6, 3)), ("cut", (4, 3)))]
+        dst.append(RosterEntry.make("norm", (40,), "bfloat16", [3], [Replicate()], "dst"))
+        return {**{r: group_roster(e) for r, e in src.items()}, 3: group_roster(dst, fp8_block=engine_block)}
+
+    index = merge_rosters(rosters((16, 16)), 4)
+    assert index.specs["whole_scale_inv"].src.placements == (Shard(0),)
+    assert set(index.specs["cut_scale_inv"].src.placements) == {Replicate()}
+    for rank in range(3):
+        plan = plan_quantization(index, rank, ["cut", "norm", "whole"], block=(16, 16))
+        assert [(op.name, op.mode) for op in plan.ops] == [("cut", MERGE_AMAX_THEN_QUANTIZE),
+                                                            ("whole", QUANTIZE_AT_PACK)]
+        whole = plan.ops[1]
+        assert whole.region == (((32 * rank, 32 * rank + 32),), ((0, 40),)) and plan.scale_shape(whole) == (2, 3)
+        assert plan.scale_shape(plan.ops[0]) == (4, 3) and plan.merges() == [((0, 1, 2), ["cut"])]
+        assert plan.merged_amax_bytes == 4 * 4 * 3
+    assert plan_quantization(index, 0, ["norm"], block=(16, 16)) is None
+    # an engine that does not say its block: every grid replicated, every param merged
+    index = merge_rosters(rosters(None), 4)
+    assert {op.mode for op in plan_quantization(index, 0, ["cut", "whole"], block=(16, 16)).ops} == \
+        {MERGE_AMAX_THEN_QUANTIZE}
+    # a trainer whose block differs from the engines' (same grid shape): refused, naming the grid
+    index = merge_rosters(rosters((16, 16)), 4)
+    with pytest.raises(PlanError, match=r"trainer: whole_scale_inv: its source is sharded like whole, whose shards "
+                                        r"do not hold whole 17x16 blocks; the engines and the trainer disagree"):
+        plan_quantization(index, 0, ["whole"], block=(17, 16))
