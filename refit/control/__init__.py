@@ -19,7 +19,7 @@ once. A rank that froze is alive and cannot be told apart from a slow one, so it
 excluded: the sync then fails with ``NoAbsentShard`` instead of hanging.
 """
 
-from refit.control.errors import NoAbsentShard, RefitVerificationError, RefitWorkerError
+from refit.control.errors import NoAbsentShard, RefitRefused, RefitVerificationError, RefitWorkerError
 from refit.control.result import SyncEvent, SyncResult
 from refit.control.synchronizer import (
     CollectiveWeightSynchronizer,
@@ -33,6 +33,7 @@ from refit.membership import NoSurvivingShards
 __all__ = [
     "CollectiveWeightSynchronizer",
     "NoAbsentShard",
+    "RefitRefused",
     "NoSurvivingShards",
     "RefitVerificationError",
     "RefitWorkerError",

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from refit.errors import RefitError
 from refit.membership import NoSurvivingShards
 
-__all__ = ["NoAbsentShard", "NoSurvivingShards", "RefitVerificationError", "RefitWorkerError"]
+__all__ = ["NoAbsentShard", "NoSurvivingShards", "RefitRefused", "RefitVerificationError", "RefitWorkerError"]
 
 
 class RefitWorkerError(RefitError):
@@ -38,6 +38,17 @@ class NoAbsentShard(RefitWorkerError):
     The signature of a frozen rank (stopped, wedged in a driver, swapping): it does not
     answer, yet it is not dead, and a rebuild that kept it would hang exactly as the
     failed attempt did.
+    """
+
+
+class RefitRefused(RefitWorkerError):
+    """Workers refused the refit's layouts or settings before any byte moved.
+
+    Every failing worker raised a configuration error (``PlanError``, ``LayoutError``,
+    ``ConfigError``) while connecting or preparing, and none died or froze: the input is
+    wrong, not an engine lost, so nothing is excluded, rebuilt or retried. Such refusals
+    used to reach the caller as ``NoAbsentShard`` ("no generation shard could be
+    identified as absent"), which sent users looking for a frozen engine.
     """
 
 

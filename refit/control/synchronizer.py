@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from refit.comm.rendezvous import new_secret
-from refit.control.errors import NoAbsentShard, RefitWorkerError
+from refit.control.errors import NoAbsentShard, RefitRefused, RefitWorkerError
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import brief, settle_before_propagating, wait_any
 from refit.control.verify import verify_checksums
@@ -576,6 +576,7 @@ class _SynchronizerBase:
         except RefitWorkerError as failure:
             if isinstance(failure, NoAbsentShard) or failure.phase == "check":
                 raise
+            _raise_if_refused(failure)
             failed_at = rec.now()
             rec.result.failure = str(failure)
             rec.note("failure", str(failure))
@@ -675,6 +676,7 @@ class _SynchronizerBase:
             except RefitWorkerError as again:
                 if isinstance(again, NoAbsentShard) or again.phase == "check":
                     raise
+                _raise_if_refused(again)
                 rec.note("failure", f"rebuild over shards {self._attempted.surviving_shards}: {again}")
                 failure = again
         raise RefitWorkerError(f"gave up recovering after {self.dp_size + 1} rebuilds: {failure}",
@@ -827,3 +829,20 @@ class CollectiveWeightSynchronizer(_SynchronizerBase):
     """
 
     mode = "broadcast"
+
+
+_CONFIG_ERRORS = ("PlanError", "LayoutError", "ConfigError")
+
+
+def _raise_if_refused(failure: RefitWorkerError) -> None:
+    """Raise ``RefitRefused`` when every failure of a connect or prepare round was a
+    configuration error and no worker died or froze: recovering would only fail the same way."""
+    if failure.phase not in ("connect", "prepare") or failure.died or failure.timed_out or not failure.failures:
+        return
+    if not all(text.split(":", 1)[0] in _CONFIG_ERRORS for text in failure.failures.values()):
+        return
+    (label, text), *others = failure.failures.items()
+    more = f" (and by {', '.join(w for w, _ in others)})" if others else ""
+    raise RefitRefused(f"refit {failure.phase} refused by {label}{more}: {text}. A configuration error, not a lost "
+                       "engine: nothing was moved, excluded or rebuilt", phase=failure.phase,
+                       failures=failure.failures) from failure

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import refit
+from refit.control import RefitRefused
 from refit.layout import Replicate, Shard, region_shape, shard_region
 from refit.models.fp8 import quantize_reference
 from refit.plan.quant import MERGE_AMAX_THEN_QUANTIZE, QUANTIZE_AT_PACK, BlockFp8, scale_name
@@ -133,11 +134,15 @@ def test_an_fp8_shard_cut_inside_a_block_beside_scales_cut_on_blocks_is_refused_
     sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0)
     try:
         # workers 1 and 2 (ranks 4, 5) both lack a scale: rows 22..44 beside the grid's rows 2..4, 44..64 beside none
-        with pytest.raises(refit.RefitError, match=r"w1: rank (4 receives rows \[\(22, 44\)\] of dim 0 \(64 long\) "
-                                                   r"but the scales of blocks \[\(2, 4\)\]|5 receives rows "
-                                                   r"\[\(44, 64\)\] of dim 0 \(64 long\) but the scales of blocks "
-                                                   r"\[\]) only; its FP8 shard needs the scale of every 16-block"):
+        with pytest.raises(RefitRefused, match=r"w1: rank (4 receives rows \[\(22, 44\)\] of dim 0 \(64 long\) "
+                                               r"but the scales of blocks \[\(2, 4\)\]|5 receives rows "
+                                               r"\[\(44, 64\)\] of dim 0 \(64 long\) but the scales of blocks "
+                                               r"\[\]) only; its FP8 shard needs the scale of every 16-block") as info:
             sync.sync_weights()
+        # a configuration error, said as one: not a hunt for a frozen engine
+        message = str(info.value)
+        assert "A configuration error, not a lost engine" in message and "could be identified" not in message
+        assert info.value.phase == "prepare" and not info.value.died
         assert all(not e.tensors["w1"][0].view(torch.uint8).any() for e in engines[0])  # nothing landed
     finally:
         sync.shutdown()
