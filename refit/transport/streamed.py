@@ -484,7 +484,9 @@ class StreamedExecutor(Executor):
             if staged_sends or made:
                 packed = lanes.record("pack")
                 lanes.wait("comm", packed)
-                if made and ledger is not None and direct_sends:
+                if made and ledger is not None:
+                    # the unpack lane sums direct sends, of this window or a later one, from
+                    # tensors made here: it waits whenever something was made
                     lanes.wait("unpack", packed)
             if ledger is not None and direct_sends:
                 # blocks sent from the tensors themselves: summed beside the wire, not ahead of it
