@@ -194,3 +194,14 @@ def test_cli_png(tmp_path, capsys):
     path = tmp_path / "plan.png"
     assert main(SMALL + ["--png", str(path), "--fanout", "off,node"]) == 0
     assert path.stat().st_size > 10_000
+
+
+def test_cli_fp8_report_says_how_each_sampled_trainer_rank_quantizes(capsys):
+    """Llama-3-8B's TP2 shards hold whole 128 x 128 blocks: every FP8 param quantized at pack, no merge."""
+    assert main(SMALL + ["--json", "--fanout", "off", "--engine-dtype", "fp8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    samples = report["quantization"]["samples"]
+    assert samples and all(q["rank"] < report["train_ranks"] for q in samples)
+    assert all(q["at_pack"] > 0 and q["merged_amax"] == 0 and q["merged_amax_bytes"] == 0 for q in samples)
+    assert main(SMALL + ["--fanout", "off", "--engine-dtype", "fp8"]) == 0
+    assert "quantizes" in capsys.readouterr().out
