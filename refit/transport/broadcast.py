@@ -55,11 +55,15 @@ class BroadcastPlan:
             for lay in spec.dsts:
                 if lay.coords(rank) is not None:
                     dst_region = lay.region(spec.shape, rank)
+            # a param every engine keeps in FP8 leaves its trainer ranks quantized: FP8 on the wire
+            dst_dtypes = {lay.dtype for lay in spec.dsts}
+            fp8 = next(iter(dst_dtypes)) if len(dst_dtypes) == 1 and next(iter(dst_dtypes)).startswith("float8") \
+                else None
             for root, region in source_shards(spec):
                 shape = region_shape(region)
                 if math.prod(shape) == 0:
                     continue
-                items.append(BroadcastItem(len(items), name, root, region, shape, spec.src.dtype, dst_region))
+                items.append(BroadcastItem(len(items), name, root, region, shape, fp8 or spec.src.dtype, dst_region))
         return BroadcastPlan(rank, tuple(items))
 
     @property
@@ -100,19 +104,20 @@ class BroadcastExecutor(Executor):
         rank = self.comm.rank
         for item in self.plan.items:
             root = rank == item.root
+            dtype = dtype_from_name(item.dtype)
             if root:
-                buf = self.src[item.name].contiguous()
+                buf = self.src[item.name].to(dtype).contiguous()  # FP8 of a plain cast: narrowed here
                 if corrupt is not None:
                     buf = buf.clone()
             else:
-                buf = torch.empty(item.shape, dtype=dtype_from_name(item.dtype), device=self._device)
+                buf = torch.empty(item.shape, dtype=dtype, device=self._device)
             raw = flat_bytes(buf)
             if root:
                 if ledger is not None:
                     ledger.sent((BROADCAST, item.index), raw)
                 if corrupt is not None:
                     corrupt(BROADCAST, item.index, raw)
-            self.comm.broadcast(buf, item.root)
+            self.comm.broadcast(raw, item.root)  # as bytes: gloo has no FP8 dtypes
             if root:
                 stats.bytes_sent += raw.numel()
                 stats.buckets_sent += 1

@@ -98,10 +98,13 @@ class Fp8Engine(EngineEndpoint):
 
 
 @pytest.mark.timeout(120)
-def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit():
+@pytest.mark.parametrize("synchronizer", ["reshard", "broadcast"])
+def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit(synchronizer):
+    """Shard to shard, and through the broadcast baseline (whose full source shards carry FP8 too)."""
     trainers = [Trainer(r, 3) for r in range(3)]
     engines = [[Fp8Engine(w, 2) for w in range(2)], [Fp8Engine(0, 1)]]
-    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0)
+    cls = refit.ReshardWeightSynchronizer if synchronizer == "reshard" else refit.CollectiveWeightSynchronizer
+    sync = cls(trainers, engines, refit_timeout_s=30.0)
     try:
         for step in (1, 2, 3):
             for t in trainers:
@@ -110,6 +113,8 @@ def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit():
             assert result.verified
             assert {id(e): e.wrong(step) for shard in engines for e in shard} == \
                 {id(e): [] for shard in engines for e in shard}
+        if synchronizer == "broadcast":
+            return
         # what crossed: one byte per FP8 element, four per scale, two per bf16 norm element. Every
         # engine worker of shard 0 takes half of w1 and w3 and all of w2, shard 1's worker all of them
         fp8_bytes = 2 * 64 * 40 + 3 * 48 * 50 + 2 * 96 * 40
