@@ -44,6 +44,7 @@ from refit.transport.quantized import merge_max
 
 __all__ = ["Quantization", "QuantizedSources"]
 
+
 class QuantizedSources:
     """The FP8 copies and scale grids of one trainer rank, made as its ``QuantizationPlan`` says."""
 
@@ -84,10 +85,10 @@ class QuantizedSources:
         """Amax and quantize every param from this rank's shards alone, without the merge: the
         kernels a refit runs, for a benchmark to time. Returns the bytes read (the shards')."""
         for n, p in self.params.items():
-            self._quantize(n, local[n], None if p.mode == QUANTIZE_AT_PACK else self._partial_amax(local[n], p))
+            self.quantize_param(n, local[n], None if p.mode == QUANTIZE_AT_PACK else self._partial_amax(local[n], p))
         return sum(local[n].numel() * local[n].element_size() for n in self.params)
 
-    def _quantize(self, name: str, x: torch.Tensor, amax: torch.Tensor | None) -> None:
+    def quantize_param(self, name: str, x: torch.Tensor, amax: torch.Tensor | None) -> None:
         """Write ``name``'s FP8 copy from its shard ``x``: given the merged amax grid, or (quantize
         at pack, ``amax`` None) with the amaxes and scales of its own blocks made here."""
         p = self.params[name]
@@ -188,7 +189,7 @@ class Quantization(SourceProduction):
             n = self._param_of[name]
             self._waiting.discard(n)
             self._waiting.discard(scale_name(n))
-            self.sources._quantize(n, self._local[n], self._merged.get(n))
+            self.sources.quantize_param(n, self._local[n], self._merged.get(n))
             self.made.append(n)
             made = True
         self.beside_s += time.perf_counter() - t0
