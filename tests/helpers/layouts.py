@@ -47,16 +47,20 @@ def full_tensor(shape, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float64) if len(shape) else torch.tensor(float(seed))
 
 
+def local_region(full: torch.Tensor, region) -> torch.Tensor:
+    """The elements of ``full`` that ``region`` (``refit.layout.shard_region``) names, in local order."""
+    out = full
+    for d, intervals in enumerate(region):
+        idx = torch.tensor([i for a, b in intervals for i in range(a, b)], dtype=torch.long, device=full.device)
+        out = out.index_select(d, idx)
+    return out
+
+
 def local_slice(full: torch.Tensor, mesh: np.ndarray, placements, rank: int) -> torch.Tensor | None:
     hit = np.argwhere(mesh == rank)
     if len(hit) == 0:
         return None
-    region = shard_region(full.shape, mesh.shape, tuple(hit[0]), placements)
-    out = full
-    for d, intervals in enumerate(region):
-        idx = torch.tensor([i for a, b in intervals for i in range(a, b)], dtype=torch.long)
-        out = out.index_select(d, idx)
-    return out.clone()
+    return local_region(full, shard_region(full.shape, mesh.shape, tuple(hit[0]), placements)).clone()
 
 
 def rosters_for(params: list[tuple], world_size: int) -> dict[int, list[RosterEntry]]:

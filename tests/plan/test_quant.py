@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.fp8_jobs import weights
-from helpers.layouts import meshes
+from helpers.layouts import local_region, meshes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,13 +31,6 @@ from refit.models.fp8 import (
     scales_from_amax,
 )
 from refit.plan.quant import BlockFp8, cut_blocks, scale_name, scale_placements
-
-
-def take(full: torch.Tensor, region) -> torch.Tensor:
-    out = full
-    for d, intervals in enumerate(region):
-        out = out.index_select(d, torch.tensor([i for a, b in intervals for i in range(a, b)], dtype=torch.long))
-    return out
 
 
 @st.composite
@@ -61,20 +54,20 @@ def test_shard_by_shard_quantization_is_bit_identical_to_the_full_tensors(case):
     full = weights(shape, case["seed"])
     want_q, want_s = quantize_reference(full, fmt)
     regions = [shard_region(shape, mesh.shape, c, placements) for c in np.ndindex(*mesh.shape)]
-    partials = [partial_amax(take(full, r), r, shape, fmt) for r in regions]
+    partials = [partial_amax(local_region(full, r), r, shape, fmt) for r in regions]
     merged = torch.stack(partials).amax(0)
     assert torch.equal(merged, block_amax(full, fmt))
     scale_inv = scales_from_amax(merged, fmt)
     assert torch.equal(scale_inv, want_s)
     for r in regions:
-        got = quantize_local(take(full, r), r, merged, fmt)
-        assert torch.equal(got.view(torch.uint8), take(want_q.view(torch.uint8), r)), (case, r)
+        got = quantize_local(local_region(full, r), r, merged, fmt)
+        assert torch.equal(got.view(torch.uint8), local_region(want_q.view(torch.uint8), r)), (case, r)
 
     # the blocks whose amax needed other ranks' parts are exactly the cut ones
     cuts = cut_blocks(shape, mesh, placements, fmt)
     whole = torch.zeros(fmt.scale_shape(shape), dtype=torch.bool)
     for r, p in zip(regions, partials):
-        touched = take(torch.ones(shape), r).numel() > 0
+        touched = local_region(torch.ones(shape), r).numel() > 0
         if touched:
             whole |= p == merged  # this rank alone knows the block's amax ...
     for block in itertools.product(*(range(n) for n in fmt.scale_shape(shape))):
@@ -118,13 +111,13 @@ def test_scales_are_sharded_like_the_weight_exactly_when_each_rank_makes_its_own
     want_q, want_s = quantize_reference(full, fmt)
     for c, r in regions.items():
         grid = shard_region(fmt.scale_shape(shape), mesh.shape, c, got)
-        local = take(full, r)
+        local = local_region(full, r)
         if local.numel() == 0:
-            assert take(want_s, grid).numel() == 0, (case, c)
+            assert local_region(want_s, grid).numel() == 0, (case, c)
             continue
         q, s = quantize_aligned(local, fmt)
-        assert torch.equal(s, take(want_s, grid)), (case, c)
-        assert torch.equal(q.view(torch.uint8), take(want_q.view(torch.uint8), r)), (case, c)
+        assert torch.equal(s, local_region(want_s, grid)), (case, c)
+        assert torch.equal(q.view(torch.uint8), local_region(want_q.view(torch.uint8), r)), (case, c)
 
 
 @settings(max_examples=100, deadline=None)
