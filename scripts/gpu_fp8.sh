@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The one command a device call runs for FP8 refits on a GPU (one is enough): the 8B model through
-# sync_weights() into bf16 engines and into FP8 engines (linear weights in 128x128 block-scaled
-# e4m3, quantized on the trainer ranks before the wire), a process per rank, NIXL between ranks
-# on one GPU. Wheels that the machine lacks (msgpack, NIXL) are carried in .whl/. Prints a short
-# table last; the JSON results and logs go to $OUT.
+# The one command a device call runs for FP8 refits on GPUs: the 8B model through sync_weights()
+# into bf16 engines and into FP8 engines (linear weights in 128x128 block-scaled e4m3, quantized
+# on the trainer ranks beside the wire), a process per rank: NCCL with a GPU each when there are
+# two or more, else NIXL between ranks on the one GPU. Wheels that the machine lacks (msgpack,
+# NIXL) are carried in .whl/. Prints a short table last; the JSON results and logs go to $OUT.
 #
-#   run(kind="nvidia-h200", command="bash scripts/gpu_fp8.sh", carry=[".whl"])
+#   run(kind="nvidia-h200-x2", command="bash scripts/gpu_fp8.sh", carry=[".whl"])
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -19,8 +19,12 @@ for wheel in .whl/*.whl; do
   mkdir -p "$site" && "$PY" -m zipfile -e "$wheel" "$site" && export PYTHONPATH="$site:$PYTHONPATH"
 done
 rc=0
+# two GPUs or more: NCCL between processes, one GPU each (the link-bound comparison);
+# one GPU: NIXL between the processes sharing it
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+transport=(); [ "$gpus" -ge 2 ] || transport=(--transport nixl)
 for dst in bfloat16 fp8; do
-  timeout -s INT -k 10 280 "$PY" -m refit.cli bench --path sync --device cuda --transport nixl --fleet process \
+  timeout -s INT -k 10 280 "$PY" -m refit.cli bench --path sync --device cuda "${transport[@]}" --fleet process \
     --iters 5 --warmup 2 --dst-dtype $dst --json > "$OUT/sync_$dst.json" 2> "$OUT/sync_$dst.err"
   r=$?; rc=$(( rc || r )); echo "bench sync $dst rc=$r"; [ $r = 0 ] || tail -8 "$OUT/sync_$dst.err"
 done
@@ -39,6 +43,10 @@ for dst, r in rows.items():
     print(f"{dst:9} {r['layout']}: {r['bytes_per_step'] / 1e9:.2f} GB a step, sync {s['median_s'] * 1e3:.1f} ms "
           f"(p90 {s['p90_s'] * 1e3:.1f}), raw transport {w['median_s'] * 1e3:.1f} ms; verified {r['verified']}, "
           f"every element correct {r['correct']}")
+q = rows.get("fp8", {}).get("quantize")
+if q:
+    print(f"quantize kernels alone: {q['kernel_s'] * 1e3:.1f} ms, {q['kernel_GBps']:.0f} GB/s of bf16 on the slowest "
+          f"trainer rank, against its share of the wire at {q['wire_GBps']:.0f} GB/s of bf16")
 if len(rows) == 2:
     a, b = rows["bfloat16"], rows["fp8"]
     print(f"fp8 / bf16: bytes {b['bytes_per_step'] / a['bytes_per_step']:.3f}, sync speed-up "
