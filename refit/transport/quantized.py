@@ -1,12 +1,14 @@
 """``xferdtensor_fp8``: one tensor from high-precision shards to block-scaled FP8 shards, quantized before the wire.
 
 Each source rank quantizes its own shard, so only FP8 bytes and the small scale grid cross
-the links, shard to shard, without a gather. A block that a source shard boundary cuts has
-its amax spread over ranks: the source ranks merge their partial amaxes of the scale grid
+the links, shard to shard, without a gather. When every source shard holds whole blocks,
+each rank makes the scales of its own blocks alone and sends them laid out like the weight
+(``refit.plan.quant.scale_placements``). A block that a source shard boundary cuts has its
+amax spread over ranks: then the source ranks merge their partial amaxes of the scale grid
 (a 1/16384 share of the weight's elements for 128 x 128 blocks) before anyone quantizes,
-so every element gets exactly the bits that quantizing the full tensor gives
-(``refit.models.fp8.quantize_reference``). The scales then travel as a tensor of their own
-that every source rank holds whole, so replicas share their sending as for any tensor.
+and the scales travel as a tensor every source rank holds whole, so replicas share their
+sending as for any tensor. Either way every element gets exactly the bits that quantizing
+the full tensor gives (``refit.models.fp8.quantize_reference``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,24 @@ import torch
 
 from refit.comm.group import as_communicator
 from refit.errors import PlanError, RefitError
-from refit.layout import DTensorRef, Replicate, local_tensor_of, mesh_coords_of, normalize_mesh, shard_region
-from refit.models.fp8 import partial_amax, quantize_local, scales_from_amax
-from refit.plan.quant import BlockFp8
+from refit.layout import (
+    DTensorRef,
+    Replicate,
+    local_tensor_of,
+    mesh_coords_of,
+    normalize_mesh,
+    region_shape,
+    shard_region,
+)
+from refit.models.fp8 import (
+    aligned_amax,
+    factors_from_amax,
+    partial_amax,
+    quantize_aligned_with,
+    quantize_local,
+    scales_from_amax,
+)
+from refit.plan.quant import BlockFp8, scale_placements
 from refit.transport.base import TransferStats
 from refit.transport.xfer import xferdtensor
 
@@ -142,24 +159,44 @@ def xferdtensor_fp8(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, d
     scale_placement = list(scale_placement or [Replicate()] * scale_mesh.ndim)
     error = _check(quant, src_tensor, dst_tensor, dst_scale, smesh, dmesh, dst_placement, scale_mesh,
                    scale_placement, comm.rank)
-    errors = comm.all_gather_object(error)
+    # with the objections, every rank learns the global shape (a rank holding neither side has none)
+    mine = _global_shape(dst_tensor if dst_tensor is not None else src_tensor)
+    gathered = comm.all_gather_object((error, list(mine) if mine is not None else None))
+    errors = [e for e, _ in gathered]
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         ranks = [r for r, _ in bad]
         raise PlanError(f"xferdtensor_fp8: {bad[0][1]} (on rank(s) {ranks}); nothing was moved")
 
     sources = sorted(int(r) for r in smesh.reshape(-1))
+    shapes = {r: tuple(s) for r, (_, s) in enumerate(gathered) if s is not None}
+    if len(set(shapes.values())) > 1:
+        seen: dict[tuple[int, ...], list[int]] = {}
+        for r, s in shapes.items():
+            seen.setdefault(s, []).append(r)
+        raise PlanError("xferdtensor_fp8: src_tensor / dst_tensor global shapes differ: "
+                        + "; ".join(f"{list(s)} on rank(s) {rs}" for s, rs in seen.items()) + "; nothing was moved")
+    shape = next(iter(shapes.values()))
+    # source shards holding whole blocks quantize alone and send the scales of their own blocks;
+    # any other layout merges the partial amaxes of the cut blocks and sends the whole grid
+    own = scale_placements(shape, smesh.shape, src_placement, quant.block)
     q_ref = scale_ref = None
     if src_tensor is not None:
-        shape = _global_shape(src_tensor)
         local = local_tensor_of(src_tensor)
         coords = mesh_coords_of(smesh, comm.rank)
         region = shard_region(shape, smesh.shape, coords, src_placement)
-        amax = merge_max(comm, {tuple(sources): partial_amax(local, region, shape, quant)})[tuple(sources)]
-        q_ref = DTensorRef(quantize_local(local, region, amax, quant), shape)
+        if own is not None:
+            amax = aligned_amax(local, quant) if local.numel() else torch.zeros(
+                region_shape(shard_region(quant.scale_shape(shape), smesh.shape, coords, own)), device=local.device)
+            q = quantize_aligned_with(local, factors_from_amax(amax, quant), quant) if local.numel() else \
+                torch.empty(local.shape, dtype=getattr(torch, quant.dtype_name), device=local.device)
+        else:
+            amax = merge_max(comm, {tuple(sources): partial_amax(local, region, shape, quant)})[tuple(sources)]
+            q = quantize_local(local, region, amax, quant)
+        q_ref = DTensorRef(q, shape)
         scale_ref = DTensorRef(scales_from_amax(amax, quant), quant.scale_shape(shape))
     stats = xferdtensor(q_ref, smesh, src_placement, dst_tensor, dmesh, dst_placement, comm, stream=stream)
-    xferdtensor(scale_ref, smesh, [Replicate()] * smesh.ndim, dst_scale, scale_mesh, scale_placement, comm,
-                stream=stream)
+    xferdtensor(scale_ref, smesh, own if own is not None else [Replicate()] * smesh.ndim, dst_scale, scale_mesh,
+                scale_placement, comm, stream=stream)
     return stats
 

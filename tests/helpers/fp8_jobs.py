@@ -66,6 +66,9 @@ def bad_call(group, kind):
         dst = refit.DTensorRef(torch.zeros(32, 32, dtype=torch.bfloat16), (64, 32)) if r >= 2 else None
     elif kind == "scale_shape":
         kw["dst_scale"] = refit.DTensorRef(torch.zeros(4, 4), (4, 4)) if r >= 2 else None
+    elif kind == "shapes_differ":  # the sources hold a [64, 32] tensor, the destinations a [64, 48] one
+        dst = refit.DTensorRef(torch.zeros(32, 48, dtype=torch.float8_e4m3fn), (64, 48)) if r >= 2 else None
+        kw["dst_scale"] = refit.DTensorRef(torch.zeros(4, 3), (4, 3)) if r >= 2 else None
     elif kind == "unaligned_scales":  # rows 0..29 / 30..63 cut a 16-row block, but the scales are cut by blocks
         src = refit.DTensorRef(weights((60, 32), 1)[r * 30:(r + 1) * 30], (60, 32)) if r < 2 else None
         dst = refit.DTensorRef(torch.zeros(30, 32, dtype=torch.float8_e4m3fn), (60, 32)) if r >= 2 else None

@@ -71,6 +71,8 @@ BAD = {
     "dst_dtype": r"dst_tensor: rank 2 passed torch.bfloat16; an FP8 destination of fmt='e4m3' is float8_e4m3fn "
                  r"\(on rank\(s\) \[2, 3\]\); nothing was moved",
     "scale_shape": r"dst_scale: rank 2's global shape \[4, 4\] is not the scale grid \[4, 2\] of a \[64, 32\] weight",
+    "shapes_differ": r"xferdtensor_fp8: src_tensor / dst_tensor global shapes differ: \[64, 32\] on rank\(s\) "
+                     r"\[0, 1\]; \[64, 48\] on rank\(s\) \[2, 3\]; nothing was moved",
     "unaligned_scales": r"dst_scale: rank 3 holds weight rows \[\(30, 60\)\] of dim 0 \(60 long\) but the scales of "
                         r"blocks \[\(2, 4\)\] only; an FP8 shard needs .* \(on rank\(s\) \[3\]\); nothing was moved",
 }
