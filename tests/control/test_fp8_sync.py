@@ -23,6 +23,7 @@ from refit.layout import Replicate, Shard, region_shape, shard_region
 from refit.models.fp8 import quantize_reference
 from refit.plan.quant import MERGE_AMAX_THEN_QUANTIZE, QUANTIZE_AT_PACK, BlockFp8, scale_name, scale_placements
 from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
+from refit.transport.nixl import nixl_available
 
 FMT = BlockFp8((16, 16))
 SHAPES = {"w1": (64, 40), "w2": (48, 50), "w3": (96, 40), "norm": (40,)}
@@ -109,13 +110,19 @@ class Fp8Engine(EngineEndpoint):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("synchronizer", ["reshard", "broadcast"])
+@pytest.mark.parametrize("synchronizer", [
+    "reshard", "broadcast", "ipc",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"))])
 def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit(synchronizer):
-    """Shard to shard, and through the broadcast baseline (whose full source shards carry FP8 too)."""
+    """Shard to shard over the communicator, through the broadcast baseline (whose full source
+    shards carry FP8 too), and over the one-sided transports (the FP8 copies made up front)."""
     trainers = [Trainer(r, 3) for r in range(3)]
     engines = [[Fp8Engine(w, 2) for w in range(2)], [Fp8Engine(0, 1)]]
-    cls = refit.ReshardWeightSynchronizer if synchronizer == "reshard" else refit.CollectiveWeightSynchronizer
-    sync = cls(trainers, engines, refit_timeout_s=30.0)
+    if synchronizer == "broadcast":
+        sync = refit.CollectiveWeightSynchronizer(trainers, engines, refit_timeout_s=30.0)
+    else:
+        transport = None if synchronizer == "reshard" else synchronizer
+        sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0, transport=transport)
     try:
         for step in (1, 2, 3):
             for t in trainers:
@@ -124,7 +131,7 @@ def test_fp8_engines_get_bit_exact_weights_and_scales_refit_after_refit(synchron
             assert result.verified
             assert {id(e): e.wrong(step) for shard in engines for e in shard} == \
                 {id(e): [] for shard in engines for e in shard}
-        if synchronizer == "broadcast":
+        if synchronizer != "reshard":
             return
         # what crossed: one byte per FP8 element, four per scale, two per bf16 norm element. Every
         # engine worker of shard 0 takes half of w1 and w3 and all of w2, shard 1's worker all of them
