@@ -27,7 +27,8 @@ from refit.layout import Region, region_shape
 from refit.plan.quant import BlockFp8
 
 __all__ = ["MIN_AMAX", "aligned_amax", "block_amax", "dequantize", "factors_from_amax", "partial_amax",
-           "quantize_aligned", "quantize_aligned_with", "quantize_local", "quantize_reference", "scales_from_amax"]
+           "quantize_aligned", "quantize_aligned_into", "quantize_aligned_with", "quantize_local", "quantize_reference",
+           "scales_from_amax", "scales_into"]
 
 MIN_AMAX = 1e-12  # an all-zero block still gets a finite, positive scale
 
@@ -148,8 +149,13 @@ def aligned_amax(x: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
     return xa.reshape(*lead, nr, br, nc, bc).amax(dim=(-3, -1)).float()
 
 
-def quantize_aligned_with(x: torch.Tensor, factor: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
-    """The FP8 weight of a shard whose blocks start at its origin, given each block's factor."""
+def quantize_aligned_into(out: torch.Tensor, x: torch.Tensor, factor: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """Write the FP8 weight of a shard whose blocks start at its origin into ``out``, given each
+    block's factor; returns ``out``.
+
+    The cast to FP8 happens in the copy into ``out``, so no FP8 temporary is made and copied
+    again: compiled, the multiply, clamp, cast and store are one pass over the shard.
+    """
     *lead, rows, cols = x.shape
     br, bc = fmt.block
     nr, nc = factor.shape[-2:]
@@ -157,8 +163,26 @@ def quantize_aligned_with(x: torch.Tensor, factor: torch.Tensor, fmt: BlockFp8) 
     if rows % br or cols % bc:
         xf = torch.nn.functional.pad(xf, (0, nc * bc - cols, 0, nr * br - rows))
     blocks = xf.reshape(*lead, nr, br, nc, bc) * factor.reshape(*lead, nr, 1, nc, 1)
-    q = blocks.clamp(-fmt.max_value, fmt.max_value).to(_fp8_dtype(fmt))
-    return q.reshape(*lead, nr * br, nc * bc)[..., :rows, :cols]
+    q = blocks.clamp(-fmt.max_value, fmt.max_value)
+    out.copy_(q.reshape(*lead, nr * br, nc * bc)[..., :rows, :cols])
+    return out
+
+
+def quantize_aligned_with(x: torch.Tensor, factor: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """The FP8 weight of a shard whose blocks start at its origin, given each block's factor."""
+    return quantize_aligned_into(torch.empty(x.shape, dtype=_fp8_dtype(fmt), device=x.device), x, factor, fmt)
+
+
+def scales_into(out: torch.Tensor, amax: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """``factors_from_amax`` of ``amax``, with its ``scales_from_amax`` written into ``out`` on the
+    way (the clamp shared, the division written in place): fewer kernels per tensor."""
+    amax = amax.float().clamp_min(MIN_AMAX)
+    fp8_max = torch.full_like(amax, fmt.max_value)
+    if out.dtype == torch.float32:
+        torch.div(amax, fp8_max, out=out)
+    else:
+        out.copy_(_divide(amax, fp8_max))
+    return _divide(fp8_max, amax)
 
 
 def quantize_aligned(x: torch.Tensor, fmt: BlockFp8, *, amax_fn=aligned_amax,

@@ -34,9 +34,10 @@ from refit.models.fp8 import (
     aligned_amax,
     factors_from_amax,
     partial_amax,
-    quantize_aligned_with,
+    quantize_aligned_into,
     quantize_local,
     scales_from_amax,
+    scales_into,
 )
 from refit.plan.quant import QUANTIZE_AT_PACK, QuantizationPlan, QuantizeOp, scale_name
 from refit.transport.base import SourceProduction
@@ -96,13 +97,13 @@ class QuantizedSources:
         amax_fn, quantize_fn = self._kernels(x)
         if p.mode == QUANTIZE_AT_PACK:
             own = amax_fn(x, self.fmt) if x.numel() else torch.zeros(self.scales[p.scale].shape, device=x.device)
-            self.scales[p.scale].copy_(scales_from_amax(own, self.fmt))
+            factors = scales_into(self.scales[p.scale], own, self.fmt)
             if x.numel():
-                self.weights[name].copy_(quantize_fn(x, factors_from_amax(own, self.fmt), self.fmt))
+                quantize_fn(self.weights[name], x, factors, self.fmt)
         elif blocks is None:
             self.weights[name].copy_(quantize_local(x, p.region, amax, self.fmt))
         else:
-            self.weights[name].copy_(quantize_fn(x, factors_from_amax(amax[blocks], self.fmt), self.fmt))
+            quantize_fn(self.weights[name], x, factors_from_amax(amax[blocks], self.fmt), self.fmt)
 
     # A shard that starts on a block boundary (most do: even TP, FSDP's dim-0 chunks of
     # multiples of 128) is quantized in block-shaped views, two passes that torch.compile
@@ -129,11 +130,11 @@ class QuantizedSources:
         return grid
 
     def _kernels(self, x: torch.Tensor):
-        """(amax, quantize) for block-aligned shards: compiled on a GPU, eager elsewhere."""
+        """(amax, quantize into the FP8 copy) for block-aligned shards: compiled on a GPU, eager elsewhere."""
         if x.device.type != "cuda":
-            return aligned_amax, quantize_aligned_with
+            return aligned_amax, quantize_aligned_into
         if self._compiled is None:
-            self._compiled = (torch.compile(aligned_amax), torch.compile(quantize_aligned_with))
+            self._compiled = (torch.compile(aligned_amax), torch.compile(quantize_aligned_into))
         return self._compiled
 
     def _merge(self, amax: dict[str, torch.Tensor], comm) -> dict[str, torch.Tensor]:

@@ -225,3 +225,21 @@ def test_each_fp8_param_is_planned_at_pack_when_its_shards_hold_whole_blocks_els
     with pytest.raises(PlanError, match=r"trainer: whole_scale_inv: its source is sharded like whole, whose shards "
                                         r"do not hold whole 17x16 blocks; the engines and the trainer disagree"):
         plan_quantization(index, 0, ["whole"], block=(17, 16))
+
+
+def test_quantizing_into_the_fp8_copy_compiled_or_eager_gives_the_reference_bits():
+    """What a trainer rank runs per param: the amax, the scales written in place beside the
+    factors, the FP8 written into its copy. Eager, and compiled as on a GPU (here by the CPU
+    backend), the bits are the reference quantizer's; the compiled store needs no FP8 temporary."""
+    from refit.models.fp8 import aligned_amax, quantize_aligned_into, scales_into
+
+    fmt = BlockFp8((16, 16))
+    x = weights((2, 40, 48), 7)  # a partial block of rows
+    want_q, want_s = quantize_reference(x, fmt)
+    for amax_fn, quantize_fn in ((aligned_amax, quantize_aligned_into),
+                                 (torch.compile(aligned_amax), torch.compile(quantize_aligned_into))):
+        scales = torch.full(fmt.scale_shape(x.shape), float("nan"))
+        out = torch.zeros(x.shape, dtype=torch.float8_e4m3fn)
+        factors = scales_into(scales, amax_fn(x, fmt), fmt)
+        assert quantize_fn(out, x, factors, fmt) is out
+        assert torch.equal(scales, want_s) and torch.equal(out.view(torch.uint8), want_q.view(torch.uint8))
