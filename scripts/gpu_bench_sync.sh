@@ -9,19 +9,7 @@
 #   run(kind="nvidia-h200-x2", command="bash scripts/gpu_bench_sync.sh", carry=[".whl"])
 set -o pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# never NVLink multicast on the lent machines (it can take the host's GPUs down)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-/tmp/refit-gpu-bench-sync}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-
-# a carried NIXL wheel (nothing is installed from a registry there): unpacked beside the tree
-for wheel in .whl/nixl*.whl; do
-  [ -f "$wheel" ] || continue
-  site="${TMPDIR:-/tmp}/refit-site"
-  mkdir -p "$site" && "$PY" -m zipfile -e "$wheel" "$site" && export PYTHONPATH="$site:$PYTHONPATH"
-done
+source scripts/device_env.sh refit-gpu-bench-sync
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 "$PY" -c 'import sys, torch; from refit.transport.nixl import nixl_available; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0), "nixl", nixl_available())' 2>&1 | tee "$OUT/env.log"
 

@@ -5,12 +5,7 @@
 #   run(kind="nvidia-h200-x2", command="bash scripts/gpu_check.sh")
 set -o pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# never NVLink multicast on the lent machines (it can take the host's GPUs down)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-/tmp/refit-gpu-check}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
+source scripts/device_env.sh refit-gpu-check
 
 {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader

@@ -11,15 +11,7 @@
 #   run(kind="nvidia-h200-x2", carry=[".site"], command="bash scripts/gpu_demo.sh")
 set -o pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-/tmp/refit-gpu-demo}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-if [ -f .site/site.tar.xz ]; then
-  mkdir -p /tmp/site && "$PY" -c 'import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="fully_trusted")' .site/site.tar.xz /tmp/site
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+source scripts/device_env.sh refit-gpu-demo
 "$PY" -c 'import ray, torch, transformers; from refit.transport.nixl import nixl_available; print("ray", ray.__version__, "torch", torch.__version__, "transformers", transformers.__version__, "nixl", nixl_available(), "gpus", torch.cuda.device_count())' 2>&1 | tee "$OUT/env.log"
 
 timeout -s INT -k 10 300 "$PY" -m pytest -q -m gpu tests/gpu/test_gpu.py -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest.log"

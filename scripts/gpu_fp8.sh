@@ -8,16 +8,7 @@
 #   run(kind="nvidia-h200-x2", command="bash scripts/gpu_fp8.sh", carry=[".whl"])
 set -o pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-/tmp/refit-gpu-fp8}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-site="${TMPDIR:-/tmp}/refit-site"
-for wheel in .whl/*.whl; do
-  [ -f "$wheel" ] || continue
-  mkdir -p "$site" && "$PY" -m zipfile -e "$wheel" "$site" && export PYTHONPATH="$site:$PYTHONPATH"
-done
+source scripts/device_env.sh refit-gpu-fp8
 rc=0
 # two GPUs or more: NCCL between processes, one GPU each (the link-bound comparison);
 # one GPU: NIXL between the processes sharing it

@@ -8,15 +8,7 @@
 #   run(carry=[".site"], command="bash scripts/gpu_ipc.sh [tests] [bench] [sync] [demo]")
 set -o pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-/tmp/refit-gpu-ipc}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-if [ -f .site/site.tar.xz ]; then
-  mkdir -p /tmp/site && "$PY" -c 'import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="fully_trusted")' .site/site.tar.xz /tmp/site
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+source scripts/device_env.sh refit-gpu-ipc
 STEPS="${*:-tests bench sync demo}"
 "$PY" -c 'import torch; from refit.transport.nixl import nixl_available; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0), "nixl", nixl_available())' 2>&1 | tee "$OUT/env.log"
 rc=0

@@ -12,16 +12,7 @@
 #   run(kind="nvidia-h200", command="bash scripts/gpu_staged.sh", carry=[".whl"])
 set -o pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-/tmp/refit-gpu-staged}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-site="${TMPDIR:-/tmp}/refit-site"
-for wheel in .whl/*.whl; do
-  [ -f "$wheel" ] || continue
-  mkdir -p "$site" && "$PY" -m zipfile -e "$wheel" "$site" && export PYTHONPATH="$site:$PYTHONPATH"
-done
+source scripts/device_env.sh refit-gpu-staged
 "$PY" -c 'import sys, torch; from refit.transport.nixl import nixl_available; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0), "nixl", nixl_available())' 2>&1 | tee "$OUT/env.log"
 
 rc=0
