@@ -108,21 +108,20 @@ class RoundsExecutor(Executor):
         direct_recvs = [_Posted(b, v, True, comm.irecv(v, b.peer, tag=b.index)) for b, v in self._direct_recvs]
         direct_sends, corrupted_sends, deferred = [], [], {}
         for b, view in self._direct_sends:
-            if production is not None and any(production.waiting(op.name) for op in b.ops):
-                deferred.setdefault(b.index, []).append((b, view))
-                continue
             if corrupt is not None:  # a corrupted block must not touch the tensor: stage it
-                corrupted_sends.append(b)
-                if ledger is not None:
-                    ledger.sent((b.peer, b.index), view)
-                continue
-            direct_sends.append(_Posted(b, view, True, comm.isend(view, b.peer, tag=b.index)))
+                corrupted_sends.append((b, view))
+            elif production is not None and any(production.waiting(op.name) for op in b.ops):
+                deferred.setdefault(b.index, []).append((b, view))
+            else:
+                direct_sends.append(_Posted(b, view, True, comm.isend(view, b.peer, tag=b.index)))
+        if production is not None:
+            production.produce(op_names([b for b, _ in corrupted_sends]))
         if ledger is not None:  # read while the wire reads them too: the sends are already posted
             for p in direct_sends:
                 ledger.sent((p.bucket.peer, p.bucket.index), p.buf)
+            for b, view in corrupted_sends:
+                ledger.sent((b.peer, b.index), view)
         stats.zero_copy_buckets = len(direct_recvs) + len(direct_sends) + sum(map(len, deferred.values()))
-        if production is not None:
-            production.produce(op_names(corrupted_sends))
         inflight: deque = deque()
         staging = 0
         for r in range(self.plan.num_rounds):
@@ -136,14 +135,6 @@ class RoundsExecutor(Executor):
                 late = deferred.pop(r, [])
                 production.produce(op_names([*self._staged_sends.get(r, ()), *(b for b, _ in late)]))
                 for b, view in late:
-                    if corrupt is not None:  # as above: staged, summed from the tensor
-                        if ledger is not None:
-                            ledger.sent((b.peer, b.index), view)
-                        buf = pack_bucket(b, src, self._pool.take(b.nbytes))
-                        corrupt(b.peer, b.index, buf)
-                        staging += b.nbytes
-                        sends.append(_Posted(b, buf, False, comm.isend(buf, b.peer, tag=b.index)))
-                        continue
                     sends.append(_Posted(b, view, True, comm.isend(view, b.peer, tag=b.index)))
                     if ledger is not None:
                         ledger.sent((b.peer, b.index), view)
@@ -154,7 +145,7 @@ class RoundsExecutor(Executor):
                     corrupt(b.peer, b.index, buf)
                 sends.append(_Posted(b, buf, False, comm.isend(buf, b.peer, tag=b.index)))
             if r == 0:
-                for b in corrupted_sends:
+                for b, _ in corrupted_sends:
                     buf = pack_bucket(b, src, self._pool.take(b.nbytes))
                     corrupt(b.peer, b.index, buf)
                     sends.append(_Posted(b, buf, False, comm.isend(buf, b.peer, tag=b.index)))
