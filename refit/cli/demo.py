@@ -26,6 +26,7 @@ from refit.cli.checks import non_negative_int, positive_float, positive_int
 from refit.errors import ConfigError
 
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
+FP8_BLOCK = (8, 8)  # the tiny models' widths are multiples of 8 on every TP shard the demo makes
 # Engine logits against the trainer's, fp32: measured within 2e-7 on the host and on H200s
 # (the engine's fused GEMMs order sums differently); a wrong weight moves them by whole units.
 TOLERANCE = 1e-5
@@ -67,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "do: engines copy the weights straight out of the trainer's memory over CUDA IPC (shared "
                         "memory on the host), no collective; the demo fits on as many GPUs as the largest of "
                         "trainer dp*tp and engine TP")
+    p.add_argument("--fp8", action="store_true",
+                   help="engines keep their linear layers in block-scaled FP8 (e4m3, 8x8 blocks for the tiny "
+                        "model, with their weight_scale_inv grids), quantized on the trainer ranks; each engine's "
+                        "logits are checked against the trainer's weights quantized and back")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     p.add_argument("--start-timeout", type=positive_float, default=300.0,
                    help="seconds the trainer and engine actors may take to start (each imports torch and "
@@ -156,6 +161,11 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     progress("starting the fleet (trainer and engine actors)")
     sizes = engine_sizes(args)
     placement = {}
+    fp8 = {}
+    if args.fp8:
+        from refit.plan.quant import BlockFp8
+
+        fp8 = {"trainer": {"fp8_block": FP8_BLOCK}, "engine": {"fp8": BlockFp8(FP8_BLOCK)}}
     if args.device == "cuda" and (args.nixl or args.colocate):
         # NIXL and IPC ranks share GPUs: Ray hands out none, each actor picks its own (refit.testing.engine.shared_gpu)
         placement = {"share_gpus": gpus, "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -164,8 +174,9 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
         train_world_size=args.trainer_dp * args.trainer_tp, num_shards=len(sizes),
         workers_per_shard=sizes,
         trainer_kwargs={"config": config, "dp": args.trainer_dp, "tp": args.trainer_tp, "master_port": free_port(),
-                        "device": args.device, **placement},
-        engine_kwargs={"config": config, "device": args.device, "expert_parallel": args.engine_ep, **placement},
+                        "device": args.device, **placement, **fp8.get("trainer", {})},
+        engine_kwargs={"config": config, "device": args.device, "expert_parallel": args.engine_ep, **placement,
+                       **fp8.get("engine", {})},
         actor_options={"num_gpus": 1} if args.device == "cuda" and not placement else None,
         start_timeout_s=args.start_timeout,
     )
@@ -189,9 +200,12 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
         startup_s = time.monotonic() - t_start
         placements = ray.get(fleet.trainers[0].placements.remote(), timeout=60)
         strided = sum("_StridedShard" in p for p in placements.values())
+        # FP8 engines are checked against the trainer's weights quantized and back (every engine the same)
+        fp8_params = ray.get(fleet.engines[0][0].fp8_params.remote(), timeout=60) if args.fp8 else []
         for step in range(1, args.steps + 1):
             progress(f"step {step}: optimizer step")
-            outs = ray.get([t.train_and_reference.remote(PROMPT) for t in fleet.trainers], timeout=120)
+            outs = ray.get([t.train_and_reference.remote(PROMPT, fp8_params=fp8_params) for t in fleet.trainers],
+                           timeout=120)
             reference = outs[0]
             killer.armed = step == args.kill_step
             result = sync.sync_weights()
@@ -224,6 +238,8 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     readmitted = any(args.kill_shard in r["shards"] for r in rows if r["step"] > args.kill_step)
     return {
         "model": args.model, "device": args.device, "transport": one_sided_transport(args) or "communicator",
+        "engine_dtype": f"float8_e4m3fn, {FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks ({len(fp8_params)} params)"
+                        if args.fp8 else "float32",
         "logit_tolerance": TOLERANCE,
         "trainer": f"FSDP2 dp={args.trainer_dp} x TP={args.trainer_tp}",
         "engines": _describe(sizes, args.engine_ep),
@@ -252,8 +268,9 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     strided = f", {result['trainer_strided_shard_params']} of {result['trainer_params']} params _StridedShard"
+    fp8 = f" in FP8 ({result['engine_dtype']})" if result["engine_dtype"].startswith("float8") else ""
     table = Table(title=f"refit demo — {result['model']} on {result['device']}: trainer {result['trainer']}"
-                        f"{strided if result['trainer_strided_shard_params'] else ''} -> {result['engines']}")
+                        f"{strided if result['trainer_strided_shard_params'] else ''} -> {result['engines']}{fp8}")
     for col in ("step", "loss", "refit", "bytes", "GB/s", "verified", "max |Δlogits|", "shards", "event"):
         table.add_column(col, justify="right" if col not in ("event", "shards") else "left", no_wrap=True)
     notes = []
@@ -269,7 +286,8 @@ def print_table(result: dict) -> None:
     console.print(table)
     for note in notes:
         console.print(f"  {note}")
-    verdict = "every refit verified, every engine's logits match the trainer's" if result[
+    matched = "the trainer's quantized and back" if fp8 else "the trainer's"
+    verdict = f"every refit verified, every engine's logits match {matched}" if result[
         "all_verified_and_logits_match"] else "MISMATCH: see the table"
     console.print(f"{verdict}; start-up {result['startup_s']:.1f}s, total {result['total_s']:.1f}s")
 

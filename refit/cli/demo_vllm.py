@@ -216,6 +216,10 @@ def check_args(args) -> None:
     """Refuse the flags this story does not read, before vLLM or the trainer is imported."""
     from refit.errors import ConfigError
 
+    if args.fp8:
+        raise ConfigError("--engine vllm --fp8: vLLM's CPU build runs block-scaled FP8 layers only on CPUs with AMX "
+                          "tiles (Sapphire Rapids or newer), so this demo feeds FP8 to its own engines only "
+                          "(--engine hf --fp8); nothing was run")
     unused = [flag for flag, given in (
         ("--device", args.device != "cpu"), ("--model", args.model != "llama"), ("--nixl", args.nixl),
         ("--colocate", args.colocate),

@@ -215,6 +215,11 @@ class EngineShard(EngineEndpoint):
         """The ``EngineEndpoint`` hook: the views, meshes in the shard's own workers ``0..tp-1``."""
         return self.destinations(0)
 
+    def fp8_params(self) -> list[str]:
+        """The canonical params this engine holds in FP8 (their ``_scale_inv`` grids beside them)."""
+        return sorted(n for n, (ref, _, _) in self._views.items() if ref._local_tensor.dtype.itemsize == 1
+                      and ref._local_tensor.dtype.is_floating_point)
+
     def refit_staging_destinations(self) -> dict[str, Entry]:
         """Staged refit: the views of a second set of fused weights, which ``on_weights_swap`` serves from.
 

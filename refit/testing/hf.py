@@ -26,8 +26,10 @@ from typing import Any
 import torch
 
 from refit.errors import LayoutError
+from refit.models.fp8 import dequantize, quantize_reference
 from refit.models.hf import dtensor_entries
 from refit.models.megatron import Entry
+from refit.plan.quant import BlockFp8
 from refit.runtime.endpoint import TrainerEndpoint
 from refit.testing.engine import shared_gpu
 
@@ -166,8 +168,12 @@ class HFTrainer(TrainerEndpoint):
     """
 
     def __init__(self, config: Any, *, dp: int = 1, tp: int = 1, mesh: Any = None, seed: int = 0, lr: float = 1e-3,
-                 batch_size: int = 2, seq_len: int = 16, data_seed: int = 1234, device: str = "cpu"):
+                 batch_size: int = 2, seq_len: int = 16, data_seed: int = 1234, device: str = "cpu",
+                 fp8_block: tuple[int, int] | None = None):
         import torch.distributed as dist
+
+        if fp8_block is not None:  # the block of the FP8 engines it feeds (quantized on its ranks)
+            self.refit_fp8_block = (int(fp8_block[0]), int(fp8_block[1]))
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
@@ -230,9 +236,14 @@ class HFTrainer(TrainerEndpoint):
         """Full HF-named tensors, gathered with ``full_tensor()`` (collective over the trainer ranks)."""
         return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
 
-    def reference_model(self) -> torch.nn.Module:
-        """A plain (unsharded) copy of the model with the current weights (collective)."""
+    def reference_model(self, fp8_params: Sequence[str] = ()) -> torch.nn.Module:
+        """A plain (unsharded) copy of the model with the current weights (collective); the params
+        named in ``fp8_params`` quantized to this rank's FP8 block and back, as an FP8 engine holds them."""
         full = self.full_state()
+        if fp8_params:
+            fmt = BlockFp8(self.refit_fp8_block)
+            for n in fp8_params:
+                full[n] = dequantize(*quantize_reference(full[n], fmt), fmt).to(full[n].dtype)
         if self._reference is None:
             self._reference = build_model(self.config, seed=self.seed).to(self.device).eval()
         missing, unexpected = self._reference.load_state_dict(full, strict=False)
@@ -242,9 +253,11 @@ class HFTrainer(TrainerEndpoint):
         return self._reference
 
     @torch.no_grad()
-    def reference(self, input_ids: torch.Tensor, new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF logits ``[b, s, V]`` and greedy tokens ``[b, new_tokens]`` of the current weights (collective)."""
-        model = self.reference_model()
+    def reference(self, input_ids: torch.Tensor, new_tokens: int = 0,
+                  fp8_params: Sequence[str] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF logits ``[b, s, V]`` and greedy tokens ``[b, new_tokens]`` of the current weights
+        (collective); ``fp8_params`` as ``reference_model``."""
+        model = self.reference_model(fp8_params)
         input_ids = input_ids.to(self.device)
         logits = model(input_ids=input_ids).logits
         return logits, greedy(model, input_ids, new_tokens)
@@ -280,10 +293,11 @@ class HFTrainerWorker(HFTrainer):
                                     world_size=world_size)
         super().__init__(build_config(config), dp=dp, tp=tp, device=device, **kwargs)
 
-    def train_and_reference(self, prompt: Sequence[int], new_tokens: int = 4) -> dict:
-        """One optimizer step, then the reference logits/tokens of the new weights (collective)."""
+    def train_and_reference(self, prompt: Sequence[int], new_tokens: int = 4, fp8_params: Sequence[str] = ()) -> dict:
+        """One optimizer step, then the reference logits/tokens of the new weights (collective);
+        ``fp8_params``: those an FP8 engine holds, quantized and back in the reference."""
         loss = self.train_step()
-        logits, tokens = self.reference(torch.tensor([list(prompt)]), new_tokens)
+        logits, tokens = self.reference(torch.tensor([list(prompt)]), new_tokens, fp8_params)
         return {"loss": loss, "logits": logits.cpu(), "tokens": tokens.cpu(), "step": self.steps}
 
 

@@ -46,6 +46,8 @@ def test_refit_demo_says_clearly_when_ray_is_unreachable():
     (["--engine-tp", "2", "--engines", "1"], "losing a shard needs --engines 2 or more"),
     (["--kill-shard", "5"], "--kill-shard 5 is not a shard (0..2)"),
     (["--engine-ep"], "--engine-ep splits routed experts; --model llama has none"),
+    (["--engine", "vllm", "--fp8"], "--engine vllm --fp8: vLLM's CPU build runs block-scaled FP8 layers only on "
+                                    "CPUs with AMX tiles"),
 ])
 def test_refit_demo_refuses_bad_flags_before_starting_anything(argv, message):
     proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", *argv], capture_output=True, text=True,
