@@ -181,14 +181,16 @@ def random_layouts(draw):
     choice = st.sampled_from([Shard(0), Shard(1), Replicate()])
     return {"layouts": Layouts(shapes={"w": (rows, cols), "norm": (cols,)},
                                train={"w": draw(choice), "norm": draw(st.sampled_from([Shard(0), Replicate()]))},
-                               engine={"w": draw(choice), "norm": Replicate()}, quantized=("w",),
+                               # engines replicate more often: an engine that cuts blocks is refused anyway
+                               engine={"w": draw(st.sampled_from([Shard(0), Shard(1), Replicate(), Replicate()])),
+                                       "norm": Replicate()}, quantized=("w",),
                                fmt=BlockFp8(block, draw(st.sampled_from(["e4m3", "e5m2"])))),
             "trainers": draw(st.integers(1, 3)), "workers": [draw(st.integers(1, 2)) for _ in range(draw(
                 st.integers(1, 2)))]}
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(random_layouts())
 def test_any_layout_lands_bit_exact_or_is_refused_before_a_byte_moves(case):
     """Whatever the trainer's and the engines' layouts, every engine holds the reference bits of
