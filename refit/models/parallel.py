@@ -33,6 +33,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -240,7 +241,6 @@ class LayoutBuilder:
         self._layouts: dict[tuple, TensorLayout] = {}
         self._src: dict[tuple, TensorLayout] = {}
         self._dst: dict[tuple, tuple[TensorLayout, ...]] = {}
-        self._weight_shapes: dict[str, tuple[int, ...]] = {}  # a scale grid's name -> its weight's shape
         self._stage_of: dict[int, int] = {}
         for s, layers in enumerate(train.stage_layers(model.num_stored_layers)):
             for layer in layers:
@@ -262,12 +262,16 @@ class LayoutBuilder:
         return (self.quant is not None and p.scales_of is None and len(p.shape) == 2 and p.kind != "vocab"
                 and p.name.endswith(".weight") and not p.name.endswith("mlp.gate.weight"))
 
+    @cached_property
+    def _fp8_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A scale grid's name -> its FP8 weight's shape (the grid alone does not give it back)."""
+        return {scale_name(p.name): p.shape for p in self.model.params() if self.quantized(p)}
+
     def params(self) -> Iterator[ParamShape]:
         """The model's tensors, each FP8 weight followed by its block scales (``..._scale_inv``)."""
         for p in self.model.params():
             yield p
             if self.quantized(p):
-                self._weight_shapes[scale_name(p.name)] = p.shape
                 yield dataclasses.replace(p, name=scale_name(p.name), shape=self.quant.scale_shape(p.shape),
                                           scales_of=p.name)
 
@@ -281,7 +285,7 @@ class LayoutBuilder:
             # sharded like the weight where its shards hold whole blocks (each rank makes its own
             # blocks' scales); otherwise every source rank merges the block amaxes and holds the grid
             lay = self._src_of(dataclasses.replace(p, scales_of=None))
-            placements = scale_placements(self._weight_shapes[p.name], lay.mesh_shape, lay.placements,
+            placements = scale_placements(self._fp8_weight_shapes[p.name], lay.mesh_shape, lay.placements,
                                           self.quant.block)
             return self._intern(lay.mesh_ranks, lay.mesh_shape,
                                 placements if placements is not None else (Replicate(),) * len(lay.mesh_shape),

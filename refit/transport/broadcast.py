@@ -56,14 +56,15 @@ class BroadcastPlan:
                 if lay.coords(rank) is not None:
                     dst_region = lay.region(spec.shape, rank)
             # a param every engine keeps in FP8 leaves its trainer ranks quantized: FP8 on the wire
+            wire = spec.src.dtype
             dst_dtypes = {lay.dtype for lay in spec.dsts}
-            fp8 = next(iter(dst_dtypes)) if len(dst_dtypes) == 1 and next(iter(dst_dtypes)).startswith("float8") \
-                else None
+            if len(dst_dtypes) == 1 and min(dst_dtypes).startswith("float8"):
+                wire = min(dst_dtypes)
             for root, region in source_shards(spec):
                 shape = region_shape(region)
                 if math.prod(shape) == 0:
                     continue
-                items.append(BroadcastItem(len(items), name, root, region, shape, fp8 or spec.src.dtype, dst_region))
+                items.append(BroadcastItem(len(items), name, root, region, shape, wire, dst_region))
         return BroadcastPlan(rank, tuple(items))
 
     @property

@@ -19,23 +19,8 @@ import torch
 
 from refit.comm.group import as_communicator
 from refit.errors import PlanError, RefitError
-from refit.layout import (
-    DTensorRef,
-    Replicate,
-    local_tensor_of,
-    mesh_coords_of,
-    normalize_mesh,
-    region_shape,
-    shard_region,
-)
-from refit.models.fp8 import (
-    aligned_amax,
-    factors_from_amax,
-    partial_amax,
-    quantize_aligned_with,
-    quantize_local,
-    scales_from_amax,
-)
+from refit.layout import DTensorRef, Replicate, local_tensor_of, mesh_coords_of, normalize_mesh, shard_region
+from refit.models.fp8 import partial_amax, quantize_aligned, quantize_local, scales_from_amax
 from refit.plan.quant import BlockFp8, scale_placements
 from refit.transport.base import TransferStats
 from refit.transport.xfer import xferdtensor
@@ -185,16 +170,13 @@ def xferdtensor_fp8(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, d
         local = local_tensor_of(src_tensor)
         coords = mesh_coords_of(smesh, comm.rank)
         region = shard_region(shape, smesh.shape, coords, src_placement)
-        if own is not None:
-            amax = aligned_amax(local, quant) if local.numel() else torch.zeros(
-                region_shape(shard_region(quant.scale_shape(shape), smesh.shape, coords, own)), device=local.device)
-            q = quantize_aligned_with(local, factors_from_amax(amax, quant), quant) if local.numel() else \
-                torch.empty(local.shape, dtype=getattr(torch, quant.dtype_name), device=local.device)
+        if own is not None:  # an empty shard gives an empty grid shard, as its region under ``own``
+            q, scales = quantize_aligned(local, quant)
         else:
             amax = merge_max(comm, {tuple(sources): partial_amax(local, region, shape, quant)})[tuple(sources)]
-            q = quantize_local(local, region, amax, quant)
+            q, scales = quantize_local(local, region, amax, quant), scales_from_amax(amax, quant)
         q_ref = DTensorRef(q, shape)
-        scale_ref = DTensorRef(scales_from_amax(amax, quant), quant.scale_shape(shape))
+        scale_ref = DTensorRef(scales, quant.scale_shape(shape))
     stats = xferdtensor(q_ref, smesh, src_placement, dst_tensor, dmesh, dst_placement, comm, stream=stream)
     xferdtensor(scale_ref, smesh, own if own is not None else [Replicate()] * smesh.ndim, dst_scale, scale_mesh,
                 scale_placement, comm, stream=stream)
