@@ -279,7 +279,17 @@ class Resharder:
         return f"{self._group.name}/failed/{rank}"
 
     def _peer_failures(self) -> str:
-        """Who published a failure, and why ('' when nobody did, or this is not a refit group)."""
+        """Who published a failure, and why ('' when nobody did, or this is not a refit group).
+
+        A rank that fails because of another publishes after it, so a scan that found any
+        failure is read again: the ones it followed, written during the first scan after its
+        turn had passed (seen on a busy machine: only the followers were named), are there
+        by the second.
+        """
+        found = self._scan_failures()
+        return self._scan_failures() if found else found
+
+    def _scan_failures(self) -> str:
         group = self._group
         if group is None or group.store is None:
             return ""
