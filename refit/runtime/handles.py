@@ -176,6 +176,12 @@ class ProcessWorker:
                 call_id, ok, payload = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if call_id is None:  # the endpoint could not be built: every call fails with why
+                with self._lock:
+                    pending, self._futures = self._futures, {}
+                for fut in pending.values():
+                    fut.set_exception(payload)
+                continue
             with self._lock:
                 fut = self._futures.pop(call_id, None)
             if fut is not None:
@@ -288,8 +294,24 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    """The child: build the endpoint, then answer ``(id, method, args, kwargs)`` in order until told to stop."""
-    endpoint = factory(*args, **kwargs)
+    """The child: build the endpoint, then answer ``(id, method, args, kwargs)`` in order until told to stop.
+
+    An endpoint that fails to build is answered as ``(None, False, error)``, which fails every
+    call waiting on this child at once. Left to exit, the child would hang first: Python
+    joins a process's non-daemon children before it even prints the error, and a
+    half-built vLLM engine leaves its engine core running, so the caller waited out its
+    whole start timeout and never learnt why.
+    """
+    try:
+        endpoint = factory(*args, **kwargs)
+    except BaseException as e:
+        try:
+            conn.send((None, False, sendable_error(e, traceback.format_exc())))
+        finally:
+            conn.close()
+            for child in mp.active_children():
+                child.terminate()
+        raise
     try:
         while True:
             try:

