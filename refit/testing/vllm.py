@@ -91,12 +91,14 @@ class VllmFleet:
         cpus: host CPUs to spread the engines' OpenMP threads over (vLLM binds them).
         serving: ``"offline"`` engines (``VllmEngineHost``: calls run one at a time), or engines
             generating while refits land (``VllmServingHost``), ``"staged"`` or ``"blocking"``.
+        expert_parallel: per engine (or for all), whether vLLM spreads its MoE experts whole over
+            the engine's workers (``enable_expert_parallel``) instead of splitting each one.
     """
 
     def __init__(self, engine_tp: Sequence[int] = (1, 2), *, dp: int = 2, tp: int = 2, config: Any = None,
                  receive_mode: str = "auto", start_timeout_s: float = 900.0, cpus: int | None = None,
                  kv_cache_gib: int = 1, model_dir: str | None = None, serving: str = "offline",
-                 trainer_lr: float | None = None):
+                 trainer_lr: float | None = None, expert_parallel: bool | Sequence[bool] = False):
         if serving not in ("offline", "staged", "blocking"):
             raise RefitError(f"serving must be 'offline', 'staged' or 'blocking', got {serving!r}")
         self.serving = serving
@@ -113,6 +115,10 @@ class VllmFleet:
         self.config.save_pretrained(model_dir)
         self.model_dir = model_dir
         self.engine_tp = list(engine_tp)
+        ep = [expert_parallel] * len(self.engine_tp) if isinstance(expert_parallel, bool) else list(expert_parallel)
+        if len(ep) != len(self.engine_tp):
+            raise RefitError(f"expert_parallel gives {len(ep)} engines, engine_tp {len(self.engine_tp)}")
+        self.expert_parallel = ep
         self.receive_mode = receive_mode
         self.start_timeout_s = start_timeout_s
         self.cpus = cpus or os.cpu_count() or 1
@@ -149,6 +155,8 @@ class VllmFleet:
         kwargs: dict[str, Any] = dict(receive_mode=self.receive_mode, env=env, tensor_parallel_size=tp,
                                       load_format="dummy", dtype="float32", skip_tokenizer_init=True,
                                       max_model_len=128, enforce_eager=True, max_num_seqs=4)
+        if self.expert_parallel[shard]:
+            kwargs["enable_expert_parallel"] = True
         host = VllmEngineHost
         if self.serving != "offline":
             host, kwargs["refit"] = VllmServingHost, self.serving

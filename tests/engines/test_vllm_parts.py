@@ -90,14 +90,18 @@ def test_sealed_messages_are_authenticated_before_they_are_unpickled():
         open_sealed(seal({"a": 1}, new_key()), key)
 
 
-def test_pipeline_and_expert_parallel_engines_are_refused_by_name():
+def test_pipeline_parallel_and_data_parallel_expert_engines_are_refused_by_name():
     from types import SimpleNamespace
 
-    check_parallel_layout(SimpleNamespace(pipeline_parallel_size=1, enable_expert_parallel=False))
+    def layout(pp: int = 1, ep: bool = False, dp: int = 1):
+        return SimpleNamespace(pipeline_parallel_size=pp, enable_expert_parallel=ep, data_parallel_size=dp)
+
+    check_parallel_layout(layout())
+    check_parallel_layout(layout(ep=True))
     with pytest.raises(RefitError, match="pipeline_parallel_size=2"):
-        check_parallel_layout(SimpleNamespace(pipeline_parallel_size=2, enable_expert_parallel=False))
-    with pytest.raises(RefitError, match="enable_expert_parallel"):
-        check_parallel_layout(SimpleNamespace(pipeline_parallel_size=1, enable_expert_parallel=True))
+        check_parallel_layout(layout(pp=2))
+    with pytest.raises(RefitError, match="data_parallel_size=2"):
+        check_parallel_layout(layout(ep=True, dp=2))
 
 
 class _LoaderWithoutVllm(VllmWorkerEndpoint):
@@ -142,22 +146,32 @@ def test_a_vllm_load_that_fails_part_way_marks_the_worker_inconsistent_until_one
 
 
 class RoutedExperts(torch.nn.Module):
-    """A layer with the class name, parameters and attributes of vLLM's stacked routed experts."""
+    """A layer with the class name, parameters and attributes of vLLM's stacked routed experts.
 
-    def __init__(self, experts: int, hidden: int, inter: int, tp: int, *, local_experts: int | None = None,
-                 gated: bool = True, padded_rows: int | None = None):
+    ``ep_rank`` set: expert parallelism over ``tp`` workers, this one holding a contiguous run
+    of whole experts (vLLM's linear placement); else every expert, its intermediate dim split.
+    """
+
+    def __init__(self, experts: int, hidden: int, inter: int, tp: int, *, ep_rank: int | None = None,
+                 local_experts: int | None = None, gated: bool = True, padded_rows: int | None = None):
         super().__init__()
         from types import SimpleNamespace
 
-        rows = inter // tp
+        ep = ep_rank is not None
+        rows = inter if ep else inter // tp
+        local = experts // tp if ep else experts
         self.global_num_experts = experts
-        self.local_num_experts = experts if local_experts is None else local_experts
+        self.local_num_experts = local if local_experts is None else local_experts
         self.hidden_size = hidden
         self.intermediate_size_per_partition = padded_rows or rows
         self.ckpt_gate_proj_name, self.ckpt_up_proj_name, self.ckpt_down_proj_name = "gate_proj", "up_proj", "down_proj"
+        self.expert_map = torch.tensor([e - ep_rank * local if ep and e // local == ep_rank else -1
+                                        for e in range(experts)]) if ep else None
         self.moe_config = SimpleNamespace(is_act_and_mul=gated, num_experts=experts, num_logical_experts=experts,
                                           intermediate_size_per_partition=rows, hidden_dim=hidden,
-                                          moe_parallel_config=SimpleNamespace(tp_size=tp))
+                                          moe_parallel_config=SimpleNamespace(tp_size=1 if ep else tp,
+                                                                              ep_size=tp if ep else 1,
+                                                                              ep_rank=ep_rank or 0))
         self.w13_weight = torch.nn.Parameter(torch.empty(self.local_num_experts, 2 * rows, hidden))
         self.w2_weight = torch.nn.Parameter(torch.empty(self.local_num_experts, hidden, rows))
 
@@ -171,36 +185,50 @@ def _moe_model(**kw) -> torch.nn.Module:
 
 
 @settings(max_examples=40, deadline=None)
-@given(experts=st.integers(1, 5), hidden=st.integers(1, 6), rows=st.integers(1, 4), tp=st.integers(1, 4))
-def test_routed_experts_land_where_vllms_expert_loader_puts_them(experts, hidden, rows, tp):
-    """Each expert's gate/up/down shard is the slice vLLM's loader narrows to (``I // tp`` rows at
-    ``tp_rank * I // tp``), in the rows of ``w13_weight[e]`` / ``w2_weight[e]`` it copies them into."""
+@given(experts=st.integers(1, 5), hidden=st.integers(1, 6), rows=st.integers(1, 4), tp=st.integers(1, 4),
+       expert_parallel=st.booleans())
+def test_routed_experts_land_where_vllms_expert_loader_puts_them(experts, hidden, rows, tp, expert_parallel):
+    """Split by TP, each expert's gate/up/down shard is the slice vLLM's loader narrows to (``I // tp``
+    rows at ``tp_rank * I // tp``) in the rows of ``w13_weight[e]`` / ``w2_weight[e]`` it copies them
+    into. Under expert parallelism each expert is whole on the one worker whose slot holds it."""
     from refit.engines.vllm.destinations import plan_destinations
     from refit.layout import mesh_coords_of
 
-    inter = rows * tp
+    if expert_parallel:
+        experts *= tp  # vLLM's linear placement: an equal run of experts per worker
+    inter = rows if expert_parallel else rows * tp
+    owners: dict[str, int] = {}
     for rank in range(tp):
-        model = _moe_model(experts=experts, hidden=hidden, inter=inter, tp=tp)
+        model = _moe_model(experts=experts, hidden=hidden, inter=inter, tp=tp,
+                           ep_rank=rank if expert_parallel else None)
         dests = {d.name: d for d in plan_destinations(model, tp_rank=rank, tp_size=tp)}
-        assert len(dests) == 3 * experts
-        for e in range(experts):
+        held = range(rank * (experts // tp), (rank + 1) * (experts // tp)) if expert_parallel else range(experts)
+        assert sorted(dests) == sorted(f"mlp.experts.{e}.{m}.weight" for e in held
+                                       for m in ("gate_proj", "up_proj", "down_proj"))
+        for e in held:
+            slot = e - held.start
             for member, dim, shape, target, where in (
                     ("gate_proj", 0, (inter, hidden), "w13_weight", (0, rows)),
                     ("up_proj", 0, (inter, hidden), "w13_weight", (rows, 2 * rows)),
                     ("down_proj", 1, (hidden, inter), "w2_weight", (0, hidden))):
                 d = dests[f"mlp.experts.{e}.{member}.weight"]
-                assert (d.global_shape, d.expert, d.rows) == (shape, e, where)
+                owners[d.name] = owners.get(d.name, 0) + 1
+                assert (d.global_shape, d.expert, d.rows) == (shape, slot, where)
                 assert d.target == f"mlp.experts.routed_experts.{target}"
-                slices = shard_slices(d.global_shape, (tp,), mesh_coords_of(np.asarray(d.mesh), rank), d.placements)
-                assert (slices[dim].start, slices[dim].stop) == (rank * rows, (rank + 1) * rows)
+                mesh = np.asarray(d.mesh)
+                slices = shard_slices(d.global_shape, mesh.shape, mesh_coords_of(mesh, rank), d.placements)
+                lo, hi = (0, inter) if expert_parallel else (rank * rows, (rank + 1) * rows)
+                assert (slices[dim].start, slices[dim].stop) == (lo, hi)
                 assert slices[1 - dim] == slice(0, shape[1 - dim])
                 assert d.local_shape == tuple(s.stop - s.start for s in slices)
+    # every expert is received: once (EP) or by every worker (TP)
+    assert set(owners.values()) == {1 if expert_parallel else tp} and len(owners) == 3 * experts
 
 
 def test_experts_vllm_lays_out_otherwise_are_refused_by_name():
     from refit.engines.vllm.destinations import plan_destinations
 
-    cases = [(dict(local_experts=2), "holds 2 of 4 physical experts"),
+    cases = [(dict(local_experts=2), "holds 2 of 4 experts without expert parallelism"),
              (dict(gated=False), "ungated experts"),
              (dict(padded_rows=8), "padded")]
     for kw, message in cases:

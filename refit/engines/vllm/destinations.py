@@ -95,52 +95,65 @@ def _vocab_layout(module: torch.nn.Module, tp: int) -> tuple[Any, tuple[Placemen
     return _tp_mesh(tp), (Replicate(),), (0, vocab)
 
 
-def _expert_destinations(module: torch.nn.Module, mod_name: str, pname: str, attr: str, tp: int,
+def _expert_destinations(module: torch.nn.Module, mod_name: str, pname: str, attr: str, tp_rank: int, tp: int,
                          dtype: torch.dtype) -> list[Destination]:
     """Every routed expert's gate/up (in ``w13_weight``) or down (in ``w2_weight``) on this worker.
 
-    vLLM stacks a layer's experts in two parameters, ``w13_weight [E, 2 * I/tp, H]`` (each
-    expert's gate rows, then its up rows) and ``w2_weight [E, H, I/tp]``, and its loader takes
-    the checkpoint's per-expert tensors, narrowing gate/up on dim 0 and down on dim 1 to
-    ``I // tp`` rows at ``tp_rank * (I // tp)``. The destinations say the same, expert by
-    expert, under the checkpoint names the layer itself was built with. Layouts that break
-    that picture (experts split over ranks, redundant experts, ungated or biased experts, an
-    intermediate size vLLM padded) are refused by name: a guess would load the wrong rows.
+    vLLM stacks a layer's experts in two parameters, ``w13_weight [E_local, 2 * I', H]`` (each
+    expert's gate rows, then its up rows) and ``w2_weight [E_local, H, I']``, and its loader
+    takes the checkpoint's per-expert tensors. Split by tensor parallelism, every worker holds
+    every expert and the loader narrows gate/up on dim 0 and down on dim 1 to ``I' = I // tp``
+    rows at ``tp_rank * I'``. Under expert parallelism (``enable_expert_parallel``) a worker
+    holds whole experts, those its ``expert_map`` gives a local slot, and the others are not
+    its to receive. The destinations say the same, expert by expert, under the checkpoint
+    names the layer was built with. Layouts that break that picture (redundant experts,
+    expert groups wider than the engine's TP group, ungated or biased experts, sizes vLLM
+    padded) are refused by name: a guess would load the wrong rows.
     """
     kind = type(module).__name__
     config = module.moe_config
+    parallel = config.moe_parallel_config
     if attr not in ("w13_weight", "w2_weight"):
         raise LayoutError(f"{pname}: {attr!r} of vLLM's {kind} (a quantized engine, or experts with biases?) is "
                           "not mapped by refit's vLLM backend")
     if not config.is_act_and_mul:
         raise LayoutError(f"{pname}: ungated experts (no gate/up pair in w13) are not mapped by refit's vLLM backend")
-    if module.local_num_experts != module.global_num_experts or config.num_experts != config.num_logical_experts:
-        raise LayoutError(f"{pname}: this worker holds {module.local_num_experts} of {module.global_num_experts} "
-                          f"physical experts ({config.num_logical_experts} logical); refit's vLLM backend maps "
-                          "experts split over tensor-parallel ranks only, each worker holding every expert")
-    moe_tp = config.moe_parallel_config.tp_size
-    if moe_tp != tp:
-        raise LayoutError(f"{pname}: the experts are split over {moe_tp} ranks, the engine's tensor-parallel "
-                          f"group has {tp}; refit's vLLM backend maps engines without data parallelism")
+    if config.num_experts != config.num_logical_experts:
+        raise LayoutError(f"{pname}: {config.num_experts} physical experts for {config.num_logical_experts} logical "
+                          "ones; refit's vLLM backend does not map redundant experts")
+    expert_parallel = parallel.ep_size > 1
+    split = parallel.ep_size if expert_parallel else parallel.tp_size
+    if split != tp or (expert_parallel and parallel.ep_rank != tp_rank):
+        raise LayoutError(f"{pname}: the experts are split over {split} ranks, the engine's tensor-parallel group "
+                          f"has {tp}; refit's vLLM backend maps engines without data parallelism")
     rows, hidden = int(module.intermediate_size_per_partition), int(module.hidden_size)
     if config.intermediate_size_per_partition != rows or hidden != config.hidden_dim:
         raise LayoutError(f"{pname}: vLLM padded the experts' sizes; refit's vLLM backend does not map padded experts")
     gate, up, down = module.ckpt_gate_proj_name, module.ckpt_up_proj_name, module.ckpt_down_proj_name
     if not (gate and up and down):
         raise LayoutError(f"{pname}: {kind} names no checkpoint gate/up/down projections")
+    if expert_parallel:
+        slots = [int(x) for x in module.expert_map.tolist()]  # global expert -> local slot, -1 elsewhere
+        mesh, gate_up, down_pl, inter = [tp_rank], (Replicate(),), (Replicate(),), rows
+    else:
+        if module.local_num_experts != module.global_num_experts:
+            raise LayoutError(f"{pname}: this worker holds {module.local_num_experts} of "
+                              f"{module.global_num_experts} experts without expert parallelism")
+        slots = list(range(module.global_num_experts))
+        mesh, gate_up, down_pl, inter = _tp_mesh(tp), (Shard(0),), (Shard(1),), rows * tp
     leaf = mod_name.rsplit(".", 1)[-1]
     prefix = mod_name.rsplit(".", 1)[0] if leaf == "routed_experts" else mod_name
-    inter = rows * tp
-    mesh = _tp_mesh(tp)
     out = []
-    for e in range(module.global_num_experts):
+    for e, slot in enumerate(slots):
+        if slot < 0:
+            continue
         if attr == "w13_weight":
             for member, lo in ((gate, 0), (up, rows)):
-                out.append(Destination(f"{prefix}.{e}.{member}.weight", (inter, hidden), mesh, (Shard(0),),
-                                       (rows, hidden), pname, (lo, lo + rows), dtype, expert=e))
+                out.append(Destination(f"{prefix}.{e}.{member}.weight", (inter, hidden), mesh, gate_up,
+                                       (rows, hidden), pname, (lo, lo + rows), dtype, expert=slot))
         else:
-            out.append(Destination(f"{prefix}.{e}.{down}.weight", (hidden, inter), mesh, (Shard(1),),
-                                   (hidden, rows), pname, (0, hidden), dtype, expert=e))
+            out.append(Destination(f"{prefix}.{e}.{down}.weight", (hidden, inter), mesh, down_pl,
+                                   (hidden, rows), pname, (0, hidden), dtype, expert=slot))
     return out
 
 
@@ -148,7 +161,8 @@ def plan_destinations(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> 
     """Every checkpoint tensor this worker loads, in the model's parameter order.
 
     Raises ``LayoutError`` naming the parameter for a layer kind it does not know (a
-    quantized layer, experts split by expert parallelism), before anything is allocated.
+    quantized layer, redundant experts), before anything is allocated. Under expert
+    parallelism workers list different experts: each only those it holds.
     """
     modules = dict(model.named_modules())
     packed: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
@@ -220,7 +234,7 @@ def plan_destinations(model: torch.nn.Module, *, tp_rank: int, tp_size: int) -> 
             else:
                 add(pname, shape, mesh, placements, shape, (0, hi - lo))
         elif "RoutedExperts" in kinds:
-            out.extend(_expert_destinations(module, mod_name, pname, attr, tp, dtype))
+            out.extend(_expert_destinations(module, mod_name, pname, attr, tp_rank, tp, dtype))
         elif "FusedMoE" in kinds or "MoE" in type(module).__name__:
             raise LayoutError(f"{pname}: vLLM's MoE layer {type(module).__name__} is not mapped by refit's vLLM "
                               "backend")

@@ -162,6 +162,11 @@ class VllmEngineHost:
             for answer in self._batch("load_checkpoint", {r: ((state,), {}) for r in range(self.tp_size)}):
                 _unwrap(answer)
 
+    def live_weights_digest(self) -> list[dict[str, str]]:
+        """Each worker's digest of its live parameters (``VllmWorkerEndpoint.live_weights_digest``)."""
+        with self._lock:
+            return [_unwrap(x) for x in self._batch("live_weights_digest", {r: ((), {}) for r in range(self.tp_size)})]
+
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """The log-probability of every prompt token after the first, given the ones before it."""
         from vllm import SamplingParams

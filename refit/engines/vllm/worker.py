@@ -24,6 +24,7 @@ direct mode, from the start of a transfer until its commit (``EngineEndpoint``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -66,8 +67,10 @@ def check_parallel_layout(parallel_config: Any) -> None:
     pp = getattr(parallel_config, "pipeline_parallel_size", 1)
     if pp > 1:
         raise RefitError(f"refit's vLLM backend maps tensor-parallel engines; this one has pipeline_parallel_size={pp}")
-    if getattr(parallel_config, "enable_expert_parallel", False):
-        raise RefitError("refit's vLLM backend does not map expert-parallel engines (enable_expert_parallel) yet")
+    dp = getattr(parallel_config, "data_parallel_size", 1)
+    if getattr(parallel_config, "enable_expert_parallel", False) and dp > 1:
+        raise RefitError(f"refit's vLLM backend maps expert parallelism within one tensor-parallel group; this "
+                         f"engine spreads its experts over data_parallel_size={dp} as well")
 
 
 class VllmWorkerEndpoint(EngineEndpoint):
@@ -180,6 +183,19 @@ class VllmWorkerEndpoint(EngineEndpoint):
         self.mark_weights_inconsistent("vLLM's load of a whole checkpoint is running")
         self._run_loaders((d.name, state[d.name]) for d in self.destinations)
         self.mark_weights_consistent()
+
+    def live_weights_digest(self) -> dict[str, str]:
+        """A BLAKE2b digest of every live parameter's bytes, by vLLM's parameter name.
+
+        Two loads of the same weights leave the same bytes, whatever vLLM repacked them into
+        (its CPU build prepacks linear and expert weights), so an engine can be compared with
+        itself after ``load_checkpoint`` without generating a token.
+        """
+        out = {}
+        for name, p in self.model.named_parameters():
+            data = p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[name] = hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+        return out
 
     def _run_loaders(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
