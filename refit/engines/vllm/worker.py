@@ -211,8 +211,8 @@ class VllmWorkerEndpoint(EngineEndpoint):
             # layerwise reload then puts that parameter back on its old tensor: refuse instead
             missing = sorted({d.target for d in self.destinations} - set(loaded)) if loaded is not None else []
             if missing:
-                raise LayoutError(f"vLLM's loader did not load {len(missing)} parameter(s) from the received "
-                                  f"shards: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+                raise LayoutError(f"vLLM's loader did not load {len(missing)} parameter(s) from the tensors it "
+                                  f"was given: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
             finished = True
         finally:
             # also on failure: layers that were not finished go back to their previous
