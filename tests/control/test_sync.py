@@ -212,6 +212,11 @@ class StuckEngine(SyntheticEngine):
             self.release.wait(STUCK_S)
 
 
+# The rebuilds' rendezvous: without it, a build waits only the transfer's short deadline, and a
+# rebuild on a loaded machine (every rank arrived, gloo still connecting) failed at 5 s.
+CONNECT_S = 60.0
+
+
 @pytest.mark.timeout(4 * STUCK_S)
 def test_frozen_rank_raises_no_absent_shard_in_bounded_time(synced):
     """The bound is what the sync was configured with (the transfer's deadline, the settle, the probe)
@@ -219,7 +224,7 @@ def test_frozen_rank_raises_no_absent_shard_in_bounded_time(synced):
     Deadlines of a few seconds: with a one-second deadline, healthy ranks on a loaded machine time
     out too and the failure is no longer the frozen rank's."""
     sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 2, 1, refit_timeout_s=5.0, grace_s=3.0,
-                                     ping_timeout_s=3.0)
+                                     ping_timeout_s=3.0, connect_timeout_s=CONNECT_S)
     frozen = StuckEngine(1, 0, 1, hidden=HIDDEN)
     sync.replace_shard(1, [frozen])
     engines[1] = [frozen]
@@ -253,7 +258,7 @@ def test_frozen_rank_with_another_shard_already_out_raises_no_absent_shard_in_bo
     slack far below what a second wait costs.
     """
     sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 3, 1, refit_timeout_s=5.0, grace_s=3.0,
-                                     ping_timeout_s=3.0)
+                                     ping_timeout_s=3.0, connect_timeout_s=CONNECT_S)
     frozen = StuckEngine(1, 0, 1, hidden=HIDDEN)
     sync.replace_shard(1, [frozen])
     engines[1] = [frozen]

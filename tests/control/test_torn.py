@@ -147,7 +147,8 @@ def test_a_frozen_shard_names_the_healthy_workers_it_left_torn(closing):
     closing += [*trainers, *engines[0], *engines[1]]
     frozen = engines[1][0]
     # deadlines only a frozen worker reaches, even with the two cores shared by seven processes
-    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=10.0, grace_s=3.0, ping_timeout_s=6.0)
+    sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=10.0, grace_s=3.0, ping_timeout_s=6.0,
+                                           connect_timeout_s=60.0)
     try:
         for t in trainers:
             t.call("set_step", 1).result(CALL_S)
