@@ -33,8 +33,8 @@ from refit.plan.quant import BlockFp8
 from refit.runtime.endpoint import TrainerEndpoint
 from refit.testing.engine import shared_gpu
 
-__all__ = ["HFTrainer", "HFTrainerWorker", "build_config", "build_model", "greedy", "shard_model", "tiny_llama_config",
-           "tiny_qwen3_moe_config", "tp_plan"]
+__all__ = ["HFTrainer", "HFTrainerWorker", "build_config", "build_model", "greedy", "shard_model", "tiny_gemma_config",
+           "tiny_llama_config", "tiny_qwen2_config", "tiny_qwen3_config", "tiny_qwen3_moe_config", "tp_plan"]
 
 # -- configs and models ------------------------------------------------------------------------
 
@@ -46,6 +46,38 @@ def tiny_llama_config(**overrides: Any):
               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
     kw.update(overrides)
     return LlamaConfig(**kw)
+
+
+def tiny_qwen2_config(**overrides: Any):
+    """A Qwen2-shaped config for CPU tests: biases on q/k/v (and none on o), GQA 2:1, hidden 64."""
+    from transformers import Qwen2Config
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, use_sliding_window=False)
+    kw.update(overrides)
+    return Qwen2Config(**kw)
+
+
+def tiny_qwen3_config(**overrides: Any):
+    """A dense Qwen3-shaped config for CPU tests: per-head q/k RMSNorms, one key/value head, tied embeddings."""
+    from transformers import Qwen3Config
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def tiny_gemma_config(**overrides: Any):
+    """A Gemma-shaped config for CPU tests: RMSNorm scaled by ``1 + weight``, embeddings scaled by sqrt(hidden),
+    a tanh-GELU MLP. Untied, so a trainer can split the head and the embedding over tp."""
+    from transformers import GemmaConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+              hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    kw.update(overrides)
+    return GemmaConfig(**kw)
 
 
 def tiny_qwen3_moe_config(**overrides: Any):

@@ -23,9 +23,21 @@ from refit.engines.vllm.engine import VllmEngine, VllmEngineHost
 from refit.engines.vllm.serving import VllmServingHost
 from refit.errors import RefitError
 from refit.runtime.handles import ProcessWorker
-from refit.testing.hf import HFTrainerWorker, tiny_llama_config, tiny_qwen3_moe_config
+from refit.testing.hf import (
+    HFTrainerWorker,
+    tiny_gemma_config,
+    tiny_llama_config,
+    tiny_qwen2_config,
+    tiny_qwen3_config,
+    tiny_qwen3_moe_config,
+)
 
-__all__ = ["VllmFleet", "reference_logprobs", "versioned_greedy", "vllm_llama_config", "vllm_qwen3_moe_config"]
+__all__ = ["VllmFleet", "reference_logprobs", "versioned_greedy", "vllm_gemma_config", "vllm_llama_config",
+           "vllm_qwen2_config", "vllm_qwen3_config", "vllm_qwen3_moe_config"]
+
+# what vLLM's CPU build runs: head_dim 32 (its CPU attention needs 32, 64, 80+), hidden 128, 2 layers
+_VLLM_CPU_SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=32,
+                       max_position_embeddings=256)
 
 
 def vllm_llama_config(**overrides: Any):
@@ -34,6 +46,31 @@ def vllm_llama_config(**overrides: Any):
               head_dim=32, max_position_embeddings=256)
     kw.update(overrides)
     return tiny_llama_config(**kw)
+
+
+def vllm_qwen2_config(**overrides: Any):
+    """A Qwen2 config that vLLM's CPU build runs: q/k/v biases, GQA 2:1 (head_dim 32 = hidden / heads)."""
+    kw = {k: v for k, v in _VLLM_CPU_SIZES.items() if k != "head_dim"}
+    kw.update(num_key_value_heads=2, **overrides)
+    return tiny_qwen2_config(**kw)
+
+
+def vllm_qwen3_config(**overrides: Any):
+    """A dense Qwen3 config that vLLM's CPU build runs: q/k norms, ONE key/value head and tied embeddings.
+
+    One key/value head is fewer than a TP-2 engine's workers, so each worker holds a replica of
+    it; tied embeddings leave the head with no weight of its own to load.
+    """
+    kw = dict(_VLLM_CPU_SIZES, num_key_value_heads=1, tie_word_embeddings=True)
+    kw.update(overrides)
+    return tiny_qwen3_config(**kw)
+
+
+def vllm_gemma_config(**overrides: Any):
+    """A Gemma config that vLLM's CPU build runs: norms scaled by ``1 + weight``, embeddings by sqrt(hidden)."""
+    kw = dict(_VLLM_CPU_SIZES, num_key_value_heads=2)
+    kw.update(overrides)
+    return tiny_gemma_config(**kw)
 
 
 def vllm_qwen3_moe_config(**overrides: Any):
@@ -144,7 +181,9 @@ class VllmFleet:
             self.hosts = [f.result() if f.exception() is None else None for f in hosts]
         if errors:
             self.close()
-            raise RefitError(f"VllmFleet did not start: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+            # every failure, not the first: engines refused for one reason each say so
+            raise RefitError("VllmFleet did not start: " + "; ".join(f"{type(e).__name__}: {e}" for e in errors)) \
+                from errors[0]
         self.engines = [VllmEngine(h, name=f"engine {s}") for s, h in enumerate(self.hosts)]
 
     def _start_host(self, shard: int) -> ProcessWorker:
