@@ -11,6 +11,9 @@ Each rank plans from its own arguments, so two ranks that disagree on a mesh's o
 would each build a consistent-looking plan and data would land in the wrong rows with
 no error anywhere; and a rank alone with a bad argument would raise alone and leave
 the others waiting on the wire. Hence the exchange compares every rank's view first.
+Callers that move more than one tensor per call (``xferdtensor_fp8``) put one
+``RankRecord`` per tensor into their own record, gather it once, and check each with
+``check_records``.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import contextlib
 import gc
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from refit.comm.group import StatelessProcessGroup, as_communicator
+from refit.comm.wire import register_record
 from refit.errors import LayoutError, PlanError, RefitError, TransportError
 from refit.layout import (
     dtype_name,
@@ -49,112 +55,181 @@ PARAM = "tensor"
 _plan_cache = PlanCache(max_entries=256)
 
 
-def _side_meta(t: Any, side: str) -> tuple | None:
+@dataclass(frozen=True)
+class SideMeta:
+    """What a rank holds on one side of a transfer: global shape, dtype name and local shape."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    local_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayoutView:
+    """One rank's reading of one side's mesh (nested lists of ranks) and placements (their reprs)."""
+
+    mesh: list
+    placements: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"mesh={self.mesh} placements=[{', '.join(self.placements)}]"
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One rank's arguments to one tensor's transfer, as every rank compares them (None: not held / not read)."""
+
+    src: SideMeta | None
+    dst: SideMeta | None
+    src_view: LayoutView | None
+    dst_view: LayoutView | None
+    error: str | None
+
+
+for _cls in (SideMeta, LayoutView, RankRecord):
+    register_record(_cls)
+
+
+@dataclass(frozen=True)
+class ArgNames:
+    """How the caller names one side's tensor, mesh and placement arguments, so errors name them too."""
+
+    tensor: str
+    mesh: str
+    placement: str
+
+
+SIDES = {"src": ArgNames("src_tensor", "src_mesh", "src_placement"),
+         "dst": ArgNames("dst_tensor", "dst_mesh", "dst_placement")}
+
+
+def side_meta(t: Any) -> SideMeta | None:
     if t is None:
         return None
     local = local_tensor_of(t)
-    shape = tuple(int(s) for s in t.shape)
     dtype = getattr(t, "dtype", local.dtype)
-    return (shape, dtype_name(dtype), tuple(local.shape))
+    return SideMeta(tuple(int(s) for s in t.shape), dtype_name(dtype), tuple(int(s) for s in local.shape))
 
 
-def _layout_view(side: str, mesh: Any, placements: Any, world_size: int) -> dict:
-    """This rank's reading of one side's mesh and placements, as data every rank can compare."""
+def layout_view(names: ArgNames, role: str, mesh: Any, placements: Any, world_size: int, *,
+                param: str = PARAM) -> LayoutView:
+    """This rank's reading of one side's (``role``'s) mesh and placements, as data every rank can compare."""
     if mesh is None:
-        raise LayoutError(f"{side}_mesh: a mesh is required")
-    arr = normalize_mesh(mesh, param=f"{PARAM} ({side}): mesh")
+        raise LayoutError(f"{names.mesh}: a mesh is required")
+    arr = normalize_mesh(mesh, param=f"{param} ({role}): mesh")
     ranks = [int(r) for r in arr.reshape(-1)]
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
-        raise LayoutError(f"{side}_mesh: rank(s) {bad} outside the process group of world size {world_size}")
-    placed = normalize_placements(placements, param=f"{PARAM} ({side}): placements")
-    return {"mesh": arr.tolist(), "placements": [repr(p) for p in placed]}
+        raise LayoutError(f"{names.mesh}: rank(s) {bad} outside the process group of world size {world_size}")
+    placed = normalize_placements(placements, param=f"{param} ({role}): placements")
+    return LayoutView(arr.tolist(), tuple(repr(p) for p in placed))
 
 
-def _by_rank(values: dict[int, Any]) -> str:
+def _by_rank(values: Mapping[int, Any]) -> str:
     groups: dict[str, list[int]] = defaultdict(list)
     for r, v in values.items():
-        groups[v].append(r)
+        groups[str(v)].append(r)
     return "; ".join(f"rank(s) {ranks}: {v}" for v, ranks in groups.items())
 
 
-def _raise_local_errors(gathered: list[dict]) -> None:
-    """Every rank raises the same error, naming the ranks where each failure happened."""
-    errors: dict[str, list[int]] = defaultdict(list)
-    for r, g in enumerate(gathered):
-        if g["error"]:
-            errors[g["error"]].append(r)
-    if errors:
-        raise PlanError("; ".join(f"{msg} (on rank(s) {ranks})" for msg, ranks in errors.items()))
+def raise_local_errors(errors: Sequence[str | None]) -> None:
+    """Every rank raises the same error, naming the ranks where each failure happened (``errors[r]``: rank r's)."""
+    found: dict[str, list[int]] = defaultdict(list)
+    for r, e in enumerate(errors):
+        if e:
+            found[e].append(r)
+    if found:
+        raise PlanError("; ".join(f"{msg} (on rank(s) {ranks})" for msg, ranks in found.items()))
 
 
-def _check_views_agree(gathered: list[dict]) -> None:
+def check_agree(what: str, values: Mapping[int, Any], why: str) -> None:
+    """Raise, naming which ranks passed what, when ``values`` (rank -> its argument) are not all equal."""
+    if len({repr(v) for v in values.values()}) > 1:
+        raise PlanError(f"{what}: the ranks disagree ({_by_rank(values)}); {why}")
+
+
+def rank_record(world_size: int, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, *,
+                sides: Mapping[str, ArgNames] = SIDES, param: str = PARAM) -> RankRecord:
+    """This rank's record of one tensor's transfer; an argument it cannot read becomes its ``error``."""
+    try:
+        return RankRecord(side_meta(src_tensor), side_meta(dst_tensor),
+                          layout_view(sides["src"], "src", src_mesh, src_placement, world_size, param=param),
+                          layout_view(sides["dst"], "dst", dst_mesh, dst_placement, world_size, param=param),
+                          None)
+    except (TypeError, RefitError) as e:
+        return RankRecord(None, None, None, None, str(e))
+
+
+def check_records(records: Sequence[RankRecord], world_size: int, src_mesh, src_placement, dst_mesh, dst_placement,
+                  *, sides: Mapping[str, ArgNames] = SIDES, param: str = PARAM):
+    """Every rank's record of one tensor's transfer held against the others: the merged index and the
+    param's spec, or the same error on every rank (``records[r]`` is rank r's; the meshes and
+    placements are this rank's, which every rank's view is checked to equal first)."""
+    raise_local_errors([g.error for g in records])
     for side in ("src", "dst"):
-        views = {r: g["views"][side] for r, g in enumerate(gathered)}
-        if len({repr(v) for v in views.values()}) > 1:
-            shown = {r: f"mesh={v['mesh']} placements=[{', '.join(v['placements'])}]" for r, v in views.items()}
-            raise PlanError(f"{side}_mesh / {side}_placement: the ranks disagree ({_by_rank(shown)}); every rank "
-                            "must pass the same meshes and placements")
+        names = sides[side]
+        check_agree(f"{names.mesh} / {names.placement}",
+                    {r: getattr(g, f"{side}_view") for r, g in enumerate(records)},
+                    "every rank must pass the same meshes and placements")
+    shapes = {m.shape for g in records for m in (g.src, g.dst) if m is not None}
+    if len(shapes) > 1:
+        holders: dict[tuple[int, ...], list[str]] = {}
+        for r, g in enumerate(records):
+            for side in ("src", "dst"):
+                m = getattr(g, side)
+                if m is not None:
+                    holders.setdefault(m.shape, []).append(f"{side}@{r}")
+        parts = "; ".join(f"{list(k)} on {v}" for k, v in holders.items())
+        raise PlanError(f"{param}: global shape mismatch between ranks: {parts}")
+    layouts = {"src": (src_mesh, src_placement), "dst": (dst_mesh, dst_placement)}
+    rosters = {r: [RosterEntry.make(param, m.shape, m.dtype, *layouts[side], side)
+                   for side in ("src", "dst") if (m := getattr(g, side)) is not None]
+               for r, g in enumerate(records)}
+    for side, (mesh, _) in layouts.items():
+        names = sides[side]
+        lay = TensorLayout.make(mesh, [], "float32", param=f"{param} ({side})")
+        for r in lay.mesh_ranks:
+            if getattr(records[r], side) is None:
+                raise PlanError(f"{names.tensor}: rank {r} is in {names.mesh} {list(lay.mesh_ranks)} but passed None")
+        for r, g in enumerate(records):
+            if getattr(g, side) is not None and r not in lay.mesh_ranks:
+                raise PlanError(f"{names.tensor}: rank {r} passed a tensor but is not in "
+                                f"{names.mesh} {list(lay.mesh_ranks)}")
+    index = merge_rosters(rosters, world_size)
+    spec = index.specs.get(param)
+    if spec is None:
+        raise PlanError(f"{param}: no rank holds a source tensor")
+    for r, g in enumerate(records):
+        for side in ("src", "dst"):
+            m = getattr(g, side)
+            if m is not None:
+                try:
+                    check_local_shapes(index, r, {side: {param: m.local_shape}})
+                except LayoutError as e:
+                    raise LayoutError(f"{sides[side].tensor} / {sides[side].placement}: {e}") from None
+    return index, spec
 
 
 def _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement):
     """Gather every rank's metadata, view of the layouts and local errors; merged rosters, or raise everywhere."""
-    error = None
-    meta, views = {}, {}
-    try:
-        views = {side: _layout_view(side, mesh, placement, comm.world_size)
-                 for side, mesh, placement in (("src", src_mesh, src_placement), ("dst", dst_mesh, dst_placement))}
-        meta = {"src": _side_meta(src_tensor, "src"), "dst": _side_meta(dst_tensor, "dst")}
-    except (TypeError, RefitError) as e:
-        error = str(e)
-    gathered = comm.all_gather_object({"meta": meta, "views": views, "error": error})
-    _raise_local_errors(gathered)
-    _check_views_agree(gathered)
-    shapes = {g["meta"][s][0] for g in gathered for s in ("src", "dst") if g["meta"].get(s)}
-    if len(shapes) > 1:
-        holders = {}
-        for r, g in enumerate(gathered):
-            for s in ("src", "dst"):
-                if g["meta"].get(s):
-                    holders.setdefault(g["meta"][s][0], []).append(f"{s}@{r}")
-        parts = "; ".join(f"{list(k)} on {v}" for k, v in holders.items())
-        raise PlanError(f"{PARAM}: global shape mismatch between ranks: {parts}")
-    rosters = {}
-    for r, g in enumerate(gathered):
-        entries = []
-        for side, mesh, placement in (("src", src_mesh, src_placement), ("dst", dst_mesh, dst_placement)):
-            m = g["meta"].get(side)
-            if m is not None:
-                entries.append(RosterEntry.make(PARAM, m[0], m[1], mesh, placement, side))
-        rosters[r] = entries
-    for side, mesh in (("src", src_mesh), ("dst", dst_mesh)):
-        lay = TensorLayout.make(mesh, [], "float32", param=f"{PARAM} ({side})")
-        for r in lay.mesh_ranks:
-            if gathered[r]["meta"].get(side) is None:
-                raise PlanError(f"{side}_tensor: rank {r} is in {side}_mesh {list(lay.mesh_ranks)} but passed None")
-        for r, g in enumerate(gathered):
-            if g["meta"].get(side) is not None and r not in lay.mesh_ranks:
-                raise PlanError(f"{side}_tensor: rank {r} passed a tensor but is not in "
-                                f"{side}_mesh {list(lay.mesh_ranks)}")
-    index = merge_rosters(rosters, comm.world_size)
-    spec = index.specs.get(PARAM)
-    if spec is None:
-        raise PlanError(f"{PARAM}: no rank holds a source tensor")
-    for r, g in enumerate(gathered):
-        for side in ("src", "dst"):
-            m = g["meta"].get(side)
-            if m is not None:
-                try:
-                    check_local_shapes(index, r, {side: {PARAM: m[2]}})
-                except LayoutError as e:
-                    raise LayoutError(f"{side}_tensor / {side}_placement: {e}") from None
-    return index, spec
+    mine = rank_record(comm.world_size, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
+    return check_records(comm.all_gather_object(mine), comm.world_size, src_mesh, src_placement, dst_mesh,
+                         dst_placement)
 
 
 def _stream_ctx(stream):
     if stream is not None and torch.cuda.is_available():
         return torch.cuda.stream(stream)
     return contextlib.nullcontext()
+
+
+def run_checked(index, comm, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+                stream=None) -> TransferStats:
+    """Plan this rank's part of an index every rank has checked (``check_records``) and move its bytes."""
+    plan = _plan_cache.get(index, comm.rank)
+    with _stream_ctx(stream):
+        with make_executor(plan, comm, device=device_of(src, dst)) as executor:
+            return executor.run(src, dst)
 
 
 def xferdtensor(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group, stream=None):
@@ -165,12 +240,9 @@ def xferdtensor(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_p
     """
     comm = as_communicator(process_group)
     index, _ = _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
-    plan = _plan_cache.get(index, comm.rank)
     src = {PARAM: local_tensor_of(src_tensor)} if src_tensor is not None else {}
     dst = {PARAM: local_tensor_of(dst_tensor)} if dst_tensor is not None else {}
-    with _stream_ctx(stream):
-        with make_executor(plan, comm, device=device_of(src, dst)) as executor:
-            return executor.run(src, dst)
+    return run_checked(index, comm, src, dst, stream)
 
 
 def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group):
@@ -351,4 +423,5 @@ class Resharder:
             self.close()
 
 
-__all__ = ["Resharder", "xferdtensor", "xferdtensor_golden"]
+__all__ = ["ArgNames", "LayoutView", "RankRecord", "Resharder", "SideMeta", "check_records", "rank_record",
+           "run_checked", "xferdtensor", "xferdtensor_golden"]

@@ -51,31 +51,110 @@ def quantize_and_move(group, case):
             "bytes": int(dst._local_tensor.numel())}
 
 
-def bad_call(group, kind):
-    """A call every rank must refuse with the same error before anything moves."""
-    from refit.errors import PlanError
+def _args(rank: int, shape=(64, 32), block=(16, 16), src_mesh=(0, 1), dst_mesh=(2, 3)) -> dict:
+    """A good call's arguments on ``rank``: bf16 rows split over ``src_mesh``, FP8 rows split over
+    ``dst_mesh``, the scales replicated there."""
+    fmt = BlockFp8(block)
+    full = weights(shape, 1)
+    sm, dm, rows = np.array(src_mesh), np.array(dst_mesh), [refit.Shard(0)]
+    src, dst = local_slice(full, sm, rows, rank), local_slice(full, dm, rows, rank)
+    grid = fmt.scale_shape(shape)
+    q = torch.zeros(dst.shape, dtype=torch.float8_e4m3fn) if dst is not None else None
+    return {"src_tensor": refit.DTensorRef(src, shape) if src is not None else None, "src_mesh": list(src_mesh),
+            "src_placement": rows, "dst_mesh": list(dst_mesh), "dst_placement": rows, "quant": fmt,
+            "dst_tensor": refit.DTensorRef(q, shape) if q is not None else None,
+            "dst_scale": refit.DTensorRef(torch.zeros(grid), grid) if q is not None else None}
 
-    fmt = BlockFp8((16, 16))
-    r = group.rank
-    src = refit.DTensorRef(weights((64, 32), 1)[r * 32:(r + 1) * 32], (64, 32)) if r < 2 else None
-    q = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
-    scale = refit.DTensorRef(torch.zeros(4, 2), (4, 2))
-    dst = refit.DTensorRef(q, (64, 32)) if r >= 2 else None
-    kw = {"quant": fmt, "dst_scale": scale if r >= 2 else None}
+
+def _src(rank: int, shape, local_shape, dtype=torch.bfloat16):
+    return refit.DTensorRef(torch.ones(local_shape, dtype=dtype), shape)
+
+
+def _bad_args(r: int, kind: str) -> dict:  # noqa: C901, PLR0912 - one branch per case, each read alone
+    """Rank ``r``'s arguments for the bad call ``kind``: mostly a good call with one argument wrong."""
+    a = _args(r)
+    fp8 = torch.float8_e4m3fn
     if kind == "dst_dtype":
-        dst = refit.DTensorRef(torch.zeros(32, 32, dtype=torch.bfloat16), (64, 32)) if r >= 2 else None
+        a["dst_tensor"] = refit.DTensorRef(torch.zeros(32, 32, dtype=torch.bfloat16), (64, 32)) if r >= 2 else None
     elif kind == "scale_shape":
-        kw["dst_scale"] = refit.DTensorRef(torch.zeros(4, 4), (4, 4)) if r >= 2 else None
+        a["dst_scale"] = refit.DTensorRef(torch.zeros(4, 4), (4, 4)) if r >= 2 else None
     elif kind == "shapes_differ":  # the sources hold a [64, 32] tensor, the destinations a [64, 48] one
-        dst = refit.DTensorRef(torch.zeros(32, 48, dtype=torch.float8_e4m3fn), (64, 48)) if r >= 2 else None
-        kw["dst_scale"] = refit.DTensorRef(torch.zeros(4, 3), (4, 3)) if r >= 2 else None
+        a["dst_tensor"] = refit.DTensorRef(torch.zeros(32, 48, dtype=fp8), (64, 48)) if r >= 2 else None
+        a["dst_scale"] = refit.DTensorRef(torch.zeros(4, 3), (4, 3)) if r >= 2 else None
+    elif kind == "shapes_differ_same_ranks":  # ranks 0 and 1 pass a [300, 256] source and a [300, 384] destination
+        a = _args(r, (300, 256), (128, 128), dst_mesh=(0, 1))
+        a["dst_tensor"] = refit.DTensorRef(torch.zeros(150, 384, dtype=fp8), (300, 384)) if r < 2 else None
+        a["dst_scale"] = refit.DTensorRef(torch.zeros(3, 3), (3, 3)) if r < 2 else None
+    elif kind == "src_local_shape":  # 150-row shards cut a 128-row block: the amaxes would be merged
+        a = _args(r, (300, 256), (128, 128))
+        if r == 1:
+            a["src_tensor"] = _src(r, (300, 256), (149, 256))
+    elif kind == "dst_local_shape":
+        if r == 3:
+            a["dst_tensor"] = refit.DTensorRef(torch.zeros(31, 32, dtype=fp8), (64, 32))
+    elif kind == "scale_local_shape":  # replicated scales, but rank 3 holds 3 of the grid's 4 block rows
+        if r == 3:
+            a["dst_scale"] = refit.DTensorRef(torch.zeros(3, 2), (4, 2))
+    elif kind == "scale_missing":
+        if r == 3:
+            a["dst_scale"] = None
+    elif kind == "scale_dtype":
+        if r == 2:
+            a["dst_scale"] = refit.DTensorRef(torch.zeros(4, 2, dtype=torch.bfloat16), (4, 2))
+    elif kind == "scale_outside_mesh":  # rank 0 passes scales though scale_mesh (dst_mesh) does not hold it
+        if r == 0:
+            a["dst_scale"] = refit.DTensorRef(torch.zeros(4, 2), (4, 2))
+    elif kind == "quant_differs":  # rank 1 would cut its amaxes on other blocks than rank 0
+        a = _args(r, (60, 32))
+        if r == 1:
+            a["quant"] = BlockFp8((32, 16))
+    elif kind == "quant_fmt_differs":
+        if r == 3:
+            a["quant"] = BlockFp8((16, 16), "e5m2")
+    elif kind == "quant_not_blockfp8":
+        if r == 2:
+            a["quant"] = "e4m3"
+    elif kind == "src_dtype_differs":
+        if r == 1:
+            a["src_tensor"] = _src(r, (64, 32), (32, 32), torch.float32)
+    elif kind == "src_dtype_int":
+        if r == 0:
+            a["src_tensor"] = _src(r, (64, 32), (32, 32), torch.int32)
+    elif kind == "src_none_in_mesh":  # blocks cut, so rank 0 would wait for rank 1's amaxes
+        a = _args(r, (60, 32))
+        if r == 1:
+            a["src_tensor"] = None
+    elif kind == "dst_none_in_mesh":
+        if r == 3:
+            a["dst_tensor"] = None
+    elif kind == "src_mesh_differs":
+        if r == 1:
+            a["src_mesh"] = [1, 0]
+    elif kind == "dst_placement_differs":
+        if r == 3:
+            a["dst_placement"] = [refit.Replicate()]
+    elif kind == "scale_mesh_differs":
+        if r == 2:
+            a["scale_mesh"] = [3, 2]
+    elif kind == "scale_placement_differs":  # a source rank, which holds no scales, reads them sharded
+        if r == 0:
+            a["scale_placement"] = [refit.Shard(0)]
+    elif kind == "scale_mesh_outside_group":
+        if r == 2:
+            a["scale_mesh"] = [2, 9]
     elif kind == "unaligned_scales":  # rows 0..29 / 30..63 cut a 16-row block, but the scales are cut by blocks
-        src = refit.DTensorRef(weights((60, 32), 1)[r * 30:(r + 1) * 30], (60, 32)) if r < 2 else None
-        dst = refit.DTensorRef(torch.zeros(30, 32, dtype=torch.float8_e4m3fn), (60, 32)) if r >= 2 else None
-        kw["dst_scale"] = refit.DTensorRef(torch.zeros(2, 2), (4, 2)) if r >= 2 else None
-        kw["scale_placement"] = [refit.Shard(0)]
+        a = _args(r, (60, 32))
+        a["dst_scale"] = refit.DTensorRef(torch.zeros(2, 2), (4, 2)) if r >= 2 else None
+        a["scale_placement"] = [refit.Shard(0)]
+    else:
+        raise ValueError(kind)
+    return a
+
+
+def bad_call(group, kind):
+    """A call every rank must refuse with the same error before anything moves: (error class, message)."""
     try:
-        xferdtensor_fp8(src, [0, 1], [refit.Shard(0)], dst, [2, 3], [refit.Shard(0)], group, **kw)
-    except PlanError as e:
-        return str(e)
+        xferdtensor_fp8(process_group=group, **_bad_args(group.rank, kind))
+    except Exception as e:  # noqa: BLE001 - the test compares every rank's class and message
+        return type(e).__name__, str(e)
     return None
