@@ -14,12 +14,21 @@ in-worker watchdog, the verification of what arrived, and the recovery.
 
 A sync that fails because a worker aborted or died is settled (every rank is let finish
 unwinding before anything is rebuilt), the dead generation shards are identified, the
-communicator AND the plan are rebuilt over the survivors, and the transfer is retried
-once. A rank that froze is alive and cannot be told apart from a slow one, so it is never
-excluded: the sync then fails with ``NoAbsentShard`` instead of hanging.
+communicator AND the plan are rebuilt over the survivors, and the transfer is retried;
+a retry that loses more workers recovers again, each round over fewer shards, until the
+sync's deadline (``refit_timeout_s`` from its start; see ``sync_weights``). A rank that
+froze is alive and cannot be told apart from a slow one, so it is never excluded: the
+sync then fails with ``NoAbsentShard`` instead of hanging.
 """
 
-from refit.control.errors import NoAbsentShard, RefitRefused, RefitVerificationError, RefitWorkerError
+from refit.control.errors import (
+    EveryShardLost,
+    NoAbsentShard,
+    RecoveryDeadlineExceeded,
+    RefitRefused,
+    RefitVerificationError,
+    RefitWorkerError,
+)
 from refit.control.result import SyncEvent, SyncResult
 from refit.control.synchronizer import (
     CollectiveWeightSynchronizer,
@@ -32,7 +41,9 @@ from refit.membership import NoSurvivingShards
 
 __all__ = [
     "CollectiveWeightSynchronizer",
+    "EveryShardLost",
     "NoAbsentShard",
+    "RecoveryDeadlineExceeded",
     "RefitRefused",
     "NoSurvivingShards",
     "RefitVerificationError",

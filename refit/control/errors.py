@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from refit.errors import RefitError
 from refit.membership import NoSurvivingShards
 
-__all__ = ["NoAbsentShard", "NoSurvivingShards", "RefitRefused", "RefitVerificationError", "RefitWorkerError"]
+__all__ = ["EveryShardLost", "NoAbsentShard", "NoSurvivingShards", "RecoveryDeadlineExceeded", "RefitRefused",
+           "RefitVerificationError", "RefitWorkerError"]
 
 
 class RefitWorkerError(RefitError):
@@ -38,6 +39,24 @@ class NoAbsentShard(RefitWorkerError):
     The signature of a frozen rank (stopped, wedged in a driver, swapping): it does not
     answer, yet it is not dead, and a rebuild that kept it would hang exactly as the
     failed attempt did.
+    """
+
+
+class RecoveryDeadlineExceeded(RefitWorkerError):
+    """A sync kept losing engine workers and its deadline passed before a retry could verify.
+
+    Each loss excludes the dead worker's shard and retries over the rest, but a fleet that
+    keeps dying must not hold the trainer for ever: past the sync's deadline no further
+    recovery starts. ``died`` names every worker the sync lost, not only the last round's,
+    so the caller knows every shard to replace.
+    """
+
+
+class EveryShardLost(NoSurvivingShards, RefitWorkerError):
+    """A sync lost workers until no generation shard was left to retry over.
+
+    A ``NoSurvivingShards`` that also carries the losses (``died``: every worker lost in
+    the sync, in the order they were found), since the shards were alive when it began.
     """
 
 

@@ -34,6 +34,8 @@ class SyncResult:
     controller saw to the verified end of the retry; None when nothing failed.
     ``inconsistent`` names the engine workers a recovered sync left with torn weights (a shard
     left out after its transfer started); they refuse to serve until a refit completes.
+    ``recoveries`` counts the rebuilds over fewer shards that ended in the verified transfer
+    (one per retried transfer), and ``lost`` names every worker the sync found dead on the way.
     """
 
     step: int
@@ -48,6 +50,8 @@ class SyncResult:
     rebuilt: bool = False
     recovered: bool = False
     recovery_s: float | None = None
+    recoveries: int = 0
+    lost: list[str] = field(default_factory=list)  # engine workers found dead during this sync
     failure: str | None = None
     inconsistent: list[str] = field(default_factory=list)  # after a recovery: engine workers left torn
     version: int | None = None  # the weights version the engines serve after this refit

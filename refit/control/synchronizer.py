@@ -12,11 +12,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from refit.comm.rendezvous import new_secret
-from refit.control.errors import NoAbsentShard, RefitRefused, RefitWorkerError
+from refit.control.errors import (
+    EveryShardLost,
+    NoAbsentShard,
+    RecoveryDeadlineExceeded,
+    RefitRefused,
+    RefitWorkerError,
+)
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import brief, settle_before_propagating, wait_any
 from refit.control.verify import verify_checksums
@@ -57,6 +63,55 @@ class _Member:
     first_rank: int = 0  # communicator rank of the shard's worker 0 (what its meshes are offset by)
 
 
+@dataclass
+class _Limits:
+    """One sync's time limits for recovery, and the workers it has lost so far.
+
+    A fleet that keeps losing engines must not hold the trainer for ever: each loss costs a
+    probe, a rebuild and another transfer, and without a bound on the whole sync the caller
+    could not say when an error would come. So: ``deadline``
+    (``refit_timeout_s`` after the sync started) is the last moment recovery may begin a
+    rebuild, except in the first round after a loss, which always may (a loss inside a
+    rebuild holds the survivors in the rendezvous for the connect timeout, by default the
+    whole ``refit_timeout_s``). ``hard_end`` (the deadline plus the settle budget) is when
+    every step of recovery has ended: workers are given at most what is left of it less the
+    controller's grace, and the controller waits no longer than it. Without a deadline both
+    are None and only the shard count bounds recovery (each round excludes one more shard).
+    """
+
+    deadline: float | None
+    hard_end: float | None
+    grace_s: float
+    recovering: bool = False
+    rounds: int = 0  # recovery rounds begun: a rebuild over fewer shards and the retried transfer
+    last: RefitWorkerError | None = None  # the latest failure recovery answered
+    lost: list[str] = field(default_factory=list)  # workers found dead, in the order they were found
+    seen: dict[str, Any] = field(default_factory=dict)  # label -> handle of every worker this sync built over
+
+    def lose(self, labels: Sequence[str]) -> None:
+        self.lost += [label for label in dict.fromkeys(labels) if label not in self.lost]
+
+    def worker_s(self) -> float | None:
+        """How long a worker may still be given (its watchdog, its rendezvous), during recovery."""
+        if not self.recovering or self.hard_end is None:
+            return None
+        return self.hard_end - self.grace_s - time.monotonic()
+
+    def wait_s(self) -> float | None:
+        """How long the controller may still wait on a round, during recovery."""
+        if not self.recovering or self.hard_end is None:
+            return None
+        return max(0.0, self.hard_end - time.monotonic())
+
+    def may_start(self) -> bool:
+        """Whether recovery may begin a rebuild now: a worker can still be given time, and,
+        past the first round, the deadline has not passed."""
+        left = self.worker_s()
+        if left is None:
+            return True
+        return left > 0 and (self.rounds <= 1 or time.monotonic() < self.deadline)
+
+
 def as_worker(handle: Any, name: str) -> Any:
     """Wrap a Ray actor handle or a bare endpoint object; pass worker handles through."""
     if hasattr(handle, "call") and hasattr(handle, "is_dead"):
@@ -95,7 +150,10 @@ class _SynchronizerBase:
         refit_timeout_s: deadline of one transfer on every rank. Each worker arms a
             watchdog that aborts its communicator when it passes, which is what lets the
             controller rebuild over the survivors instead of hanging. It also bounds the
-            rendezvous. None disarms it, and with it the hang protection.
+            rendezvous, and a sync's recovery: after the first recovery round, no further
+            round begins once ``refit_timeout_s`` has passed since the sync started, and
+            every step of recovery ends within the settle budget after that (see
+            ``sync_weights``). None disarms it, and with it the hang protection.
         ping_timeout_s: how long a liveness probe waits before calling a worker unresponsive.
         bucket_bytes: size of the packed buckets of the reshard path.
         verify: compare per-bucket checksums of sender and receiver after every transfer.
@@ -185,6 +243,7 @@ class _SynchronizerBase:
         self._steps = 0
         self._abandoned: list[Any] = []  # calls given up on; read once they end, so no error goes unseen
         self._rec: Recorder | None = None  # the sync in progress, if any
+        self._limits: _Limits | None = None  # the recovery limits and losses of the sync in progress
         self._devices: dict[int, tuple[Any, dict]] = {}  # id(handle) -> (handle, where its tensors live)
         self._bucket_params: dict[int, dict] = {}  # rank -> params of each bucket it sends / receives
         # shards whose engine could not take verified weights (their commit failed): left out of
@@ -303,6 +362,24 @@ class _SynchronizerBase:
     def _round_timeout_s(self) -> float:
         return (self.refit_timeout_s or NO_DEADLINE_ROUND_S) + self.grace_s
 
+    def _cap_wait(self, seconds: float | None) -> float | None:
+        """``seconds``, cut during recovery to what is left before the sync's hard end."""
+        cap = None if self._limits is None else self._limits.wait_s()
+        if cap is None:
+            return seconds
+        return cap if seconds is None else min(seconds, cap)
+
+    def _cap_worker(self, seconds: float | None) -> float | None:
+        """A worker's own deadline, cut during recovery to what is left before the hard end less
+        the grace, so that the controller's wait on it ends by the hard end. With nothing left,
+        the sync is out of time: ``RecoveryDeadlineExceeded``."""
+        left = None if self._limits is None else self._limits.worker_s()
+        if left is None:
+            return seconds
+        if left <= 0:
+            raise self._deadline_error()
+        return left if seconds is None else min(seconds, left)
+
     def _round(self, phase: str, calls: dict[_Member, Any], timeout_s: float | None,
                stragglers_s: float | None = None) -> dict[_Member, Any]:
         """Wait for every call; at the first failure (or the timeout) settle the rest, then raise.
@@ -312,6 +389,7 @@ class _SynchronizerBase:
         """
         results: dict[_Member, Any] = {}
         pending = dict(calls)
+        timeout_s = self._cap_wait(timeout_s)
         dispatched = time.monotonic()
         last: tuple[float, str] = (0.0, "")  # the slowest member so far, for the sync's events
         deadline = None if timeout_s is None else dispatched + timeout_s
@@ -348,7 +426,7 @@ class _SynchronizerBase:
             budget = self.settle_budget_s()
             if stragglers_s is not None:
                 budget = stragglers_s + self.grace_s
-            budget = min(budget, max(self.grace_s, dispatched + budget - time.monotonic()))
+            budget = self._cap_wait(min(budget, max(self.grace_s, dispatched + budget - time.monotonic())))
             settle_before_propagating(list(pending.values()), budget, phase)
             # a member whose process is gone is dead, not late: name it as such, so the
             # error blames the worker that died rather than every one still waiting for it
@@ -358,7 +436,10 @@ class _SynchronizerBase:
                     failures[m.label] = f"WorkerDied: {m.label} died"
             timed_out = [m.label for m, p in pending.items() if not p.done() and m.label not in failures]
             self._abandoned += [p for p in pending.values() if not p.done()]
-        first = next(iter(failures.items()), None)
+        # a death leads the message: the workers that failed beside it were waiting for it, and
+        # when both land in one wait the order of the members would blame a survivor first
+        first = next(((label, failures[label]) for label in died if label in failures),
+                     next(iter(failures.items()), None))
         if first is not None:
             msg = f"refit {phase} failed on {first[0]}: {first[1]}"
             if len(failures) > 1:
@@ -367,6 +448,8 @@ class _SynchronizerBase:
             msg = f"refit {phase}: {', '.join(timed_out)} did not answer within {timeout_s:.1f}s"
         if timed_out and first is not None:
             msg += f"; still running after the settle: {', '.join(timed_out)}"
+        if self._limits is not None:
+            self._limits.lose(died)
         raise RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died)
 
     def _call_all(self, members: Sequence[_Member], method: str, *args: Any, **kwargs: Any) -> dict[_Member, Any]:
@@ -398,8 +481,10 @@ class _SynchronizerBase:
         self._epoch += 1
         epoch = self._epoch
         members = self._members_of(membership)
+        if self._limits is not None:
+            self._limits.seen.update({m.label: m.worker for m in members})
         timeout = self._round_timeout_s()
-        connect_s = self.connect_timeout_s
+        connect_s = self._cap_worker(self.connect_timeout_s)
         root = members[0]
         backend = self._backend_for(members, timeout)
         addr, port = self._round("rendezvous", {root: root.worker.call("refit_rendezvous")}, timeout)[root]
@@ -542,7 +627,25 @@ class _SynchronizerBase:
 
     # -- sync --------------------------------------------------------------------------------
     def sync_weights(self, version: int | None = None) -> SyncResult:
-        """Move the weights, verify them, tell the engines; recover once from a lost shard.
+        """Move the weights, verify them, tell the engines; recover from lost shards.
+
+        A transfer (or rebuild, or commit) that loses engine workers is settled, their shards
+        are excluded, the communicator and plan are rebuilt over the survivors and the
+        transfer is retried; a retry that loses more workers recovers again, each round
+        excluding at least one more shard. The limits, from the sync's start ``t0``, with
+        ``T = refit_timeout_s`` and the settle budget ``S = settle_budget_s()``:
+
+        * the first recovery round always begins (a loss inside a rebuild holds the
+          survivors in its rendezvous for the connect timeout, often all of ``T``);
+        * a further round begins only before ``t0 + T``;
+        * every step of recovery ends by ``t0 + T + S``: a retried transfer's watchdog and a
+          rebuild's rendezvous get at most what is left of it less ``grace_s``, and the
+          controller waits on no round past it.
+
+        So a sync that raises does so by ``t0 + T + S`` plus a liveness probe
+        (``ping_timeout_s``, only while some worker does not answer), whatever the number of
+        losses; a sync whose first attempt itself ran past ``t0 + T + S - grace_s`` raises
+        without recovering. ``T = None`` lifts the limits: the shard count alone bounds recovery.
 
         The engines' weights become ``version`` (``SyncResult.version``): by default one more
         than the newest any engine or this synchronizer has seen, so versions only grow, also
@@ -552,8 +655,13 @@ class _SynchronizerBase:
         Raises:
             RefitVerificationError: bytes arrived corrupted (names the shards and params).
             NoAbsentShard: a worker failed or froze but none is dead, so nothing can be excluded.
-            NoSurvivingShards: every generation shard is gone.
-            RefitWorkerError: a trainer is gone, or the retry after recovery failed too.
+            NoSurvivingShards: every generation shard is gone (``EveryShardLost`` when this sync
+                lost the last of them).
+            RecoveryDeadlineExceeded: workers kept dying until the limits above ran out.
+            RefitWorkerError: a trainer is gone (at once: trainers are never excluded).
+
+        Every error raised after a loss names every worker the sync lost (in its message and
+        ``died``), not only the last round's: each is a shard to replace.
         """
         self._check_open()
         self._steps += 1
@@ -571,29 +679,102 @@ class _SynchronizerBase:
         return result
 
     def _sync(self, rec: Recorder) -> SyncResult:
+        settle = self.settle_budget_s()
+        deadline = None if self.refit_timeout_s is None else rec.t0 + self.refit_timeout_s
+        self._limits = _Limits(deadline, None if deadline is None else deadline + settle, self.grace_s)
         try:
-            self._attempt(rec)
-        except RefitWorkerError as failure:
-            if isinstance(failure, NoAbsentShard) or failure.phase == "check":
+            try:
+                self._attempt(rec)
+            except RefitWorkerError as failure:
+                if isinstance(failure, NoAbsentShard) or failure.phase == "check":
+                    raise
+                _raise_if_refused(failure)
+                failed_at = rec.now()
+                rec.result.failure = str(failure)
+                self._recover_and_retry(failure, rec)
+                rec.result.recovered = True
+                rec.result.recovery_s = rec.now() - failed_at
+            rec.result.lost = self._lost()
+            rec.result.seconds = rec.now()
+            return rec.result
+        except RefitError as e:
+            named = self._name_lost(e)
+            if named is e:
                 raise
-            _raise_if_refused(failure)
-            failed_at = rec.now()
-            rec.result.failure = str(failure)
+            raise named from e
+        finally:
+            self._limits = None
+
+    def _recover_and_retry(self, failure: RefitWorkerError, rec: Recorder) -> None:
+        """Exclude the dead, rebuild over the rest and retry the transfer, until one verifies.
+
+        Every round excludes at least one more shard (``_absent_after`` raises
+        ``NoAbsentShard`` when a failed round lost no one), so there are at most as many
+        rounds as shards: losing the last one raises ``NoSurvivingShards``. The time limits
+        are ``_Limits``' and are checked before each rebuild.
+        """
+        limits = self._limits
+        limits.recovering = True
+        for _ in range(self.dp_size + 1):
+            limits.last = failure
+            limits.rounds += 1
             rec.note("failure", str(failure))
             self._broken = True
-            with rec.phase("recover"):
+            with rec.phase("recover", f"round {limits.rounds}"):
                 self._recover(failure, rec)
             try:
                 self._attempt(rec)
             except RefitWorkerError as again:
-                self._broken = True
-                raise RefitWorkerError(f"the refit failed again after recovering from '{failure}': {again}",
-                                       phase=again.phase, failures=again.failures, timed_out=again.timed_out,
-                                       died=again.died) from again
-            rec.result.recovered = True
-            rec.result.recovery_s = rec.now() - failed_at
-        rec.result.seconds = rec.now()
-        return rec.result
+                if isinstance(again, (NoAbsentShard, RecoveryDeadlineExceeded)) or again.phase == "check":
+                    raise
+                _raise_if_refused(again)
+                failure = again
+                continue
+            rec.result.recoveries = limits.rounds
+            return
+        raise RefitWorkerError(f"gave up after {limits.rounds} recovery rounds, each over fewer shards: {failure}",
+                               phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out,
+                               died=failure.died) from failure
+
+    def _lost(self) -> list[str]:
+        """Every worker the sync in progress lost: named by a failed round or a probe, or built
+        over in this sync and now dead by its handle (a death no round has seen yet)."""
+        limits = self._limits
+        if limits is None:
+            return []
+        limits.lose([label for label, w in limits.seen.items() if w.is_dead()])
+        return list(limits.lost)
+
+    def _deadline_error(self) -> RecoveryDeadlineExceeded:
+        limits = self._limits
+        last = limits.last
+        lost = self._lost()
+        return RecoveryDeadlineExceeded(
+            f"refit gave up recovering after {limits.rounds} round(s): its deadline passed "
+            f"(no further round after {self.refit_timeout_s:g}s from the start of the sync, every step ended "
+            f"{self.settle_budget_s():g}s after that); lost in this sync: {', '.join(lost) or 'no one found dead'}; "
+            f"the last failure: {last}", phase=last.phase if last is not None else "recover",
+            failures=last.failures if last is not None else None,
+            timed_out=last.timed_out if last is not None else (), died=lost)
+
+    def _name_lost(self, error: RefitError) -> RefitError:
+        """``error``, naming every worker the sync lost (message and ``died``): a failure of a
+        later round would otherwise name only its own dead, and the caller would replace too few
+        shards. A ``NoSurvivingShards`` after losses becomes ``EveryShardLost``, which carries them."""
+        lost = self._lost()
+        if not lost:
+            return error
+        if isinstance(error, NoSurvivingShards) and not isinstance(error, RefitWorkerError):
+            last = self._limits.last
+            return EveryShardLost(f"{error}; lost in this sync: {', '.join(lost)}",
+                                  phase=last.phase if last is not None else "check",
+                                  failures=last.failures if last is not None else None, died=lost)
+        if isinstance(error, RefitWorkerError):
+            error.died = [*lost, *(d for d in error.died if d not in lost)]
+        text = str(error)
+        if error.args and any(label not in text for label in lost):
+            error.args = (f"{error.args[0]}; lost in this sync: {', '.join(lost)}", *error.args[1:])
+        return error
 
     def _drain_abandoned(self) -> None:
         still = []
@@ -617,13 +798,16 @@ class _SynchronizerBase:
             rec.result.rebuilt = True
         members = self._members
         engines = [m for m in members if m.shard is not None]
+        if self._limits is not None:
+            self._limits.seen.update({m.label: m.worker for m in members})
         self._suspects.update({id(m.worker): m.worker for m in engines})  # before a byte can land
         with rec.phase("transfer"):
             t0 = time.monotonic()
             try:
+                watchdog = self._cap_worker(self.refit_timeout_s)
                 reports = self._round("transfer", self._call_all(members, "refit_transfer", self._epoch,
-                                                                 timeout_s=self.refit_timeout_s, verify=self.verify),
-                                      None if self.refit_timeout_s is None else self.refit_timeout_s + self.grace_s)
+                                                                 timeout_s=watchdog, verify=self.verify),
+                                      None if watchdog is None else watchdog + self.grace_s, stragglers_s=watchdog)
             except RefitWorkerError:
                 self._broken = True
                 raise
@@ -663,22 +847,27 @@ class _SynchronizerBase:
 
         A death during the rebuild itself (a worker killed in the rendezvous) is handled as
         one during a transfer: its shard is excluded too and the build retried over the
-        rest. Before, the rebuild's failure escaped recovery, blaming every worker that had
-        waited for the dead one. Every retry excludes at least one more shard (else
-        ``NoAbsentShard``), so there are at most as many as there are shards.
+        rest, rather than the rebuild's failure blaming every worker that waited for the
+        dead one. Every retry excludes at least one more shard (else ``NoAbsentShard``), so
+        there are at most as many as there are shards. No rebuild begins past the sync's
+        limits (``_Limits.may_start``); the dead are found first, so that the error names them.
         """
         for _ in range(self.dp_size + 1):
             absent = self._absent_after(failure, rec)
             rec.note("absent", f"shards {absent}")
+            if self._limits is not None and not self._limits.may_start():
+                raise self._deadline_error() from failure
             try:
                 rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
                 return
             except RefitWorkerError as again:
-                if isinstance(again, NoAbsentShard) or again.phase == "check":
+                if isinstance(again, (NoAbsentShard, RecoveryDeadlineExceeded)) or again.phase == "check":
                     raise
                 _raise_if_refused(again)
                 rec.note("failure", f"rebuild over shards {self._attempted.surviving_shards}: {again}")
                 failure = again
+                if self._limits is not None:
+                    self._limits.last = again
         raise RefitWorkerError(f"gave up recovering after {self.dp_size + 1} rebuilds: {failure}",
                                phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out,
                                died=failure.died) from failure
@@ -694,6 +883,8 @@ class _SynchronizerBase:
         in_round = set(range(self.dp_size)) if attempted is None else set(attempted.shard_prefixes)
         dead, silent = self._probe(sorted(in_round))
         rec.note("probe", f"dead={[m.label for m in dead]} unresponsive={[m.label for m in silent]}")
+        if self._limits is not None:
+            self._limits.lose([m.label for m in dead])
         dead_trainers = [m.label for m in dead if m.shard is None]
         if dead_trainers:
             raise RefitWorkerError(
