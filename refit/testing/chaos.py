@@ -1,13 +1,20 @@
 """Random kills of engine workers in the middle of rebuilds and transfers, for tests and figures.
 
-Every cycle SIGKILLs one engine worker (sometimes a second one during the recovery that
-follows) at a random moment: 0-200 ms into a rebuild (the re-admission of the shard
-replaced in the previous cycle: its rendezvous, gloo's full-mesh connect, the plan), or
-into a transfer. Each ``sync_weights`` must either verify exact weights over the shards it
-reports, or raise within the refit deadline plus the settle budget an error that names a
-killed worker. The killed shards are then replaced by fresh processes, so the next sync
-re-admits them. Workers are ``ProcessWorker``s (one spawned process each, real SIGKILLs,
-real gloo), so a cycle costs about a second.
+Every cycle SIGKILLs engine workers at random moments, in one of these modes (``MODES``):
+
+* ``rebuild``: one, 0-200 ms into a rebuild (the re-admission of the shard replaced in the
+  previous cycle: its rendezvous, gloo's full-mesh connect, the plan);
+* ``transfer``: one, into the transfer;
+* ``recovery``: one into the transfer, a second into the rebuild of the recovery after it;
+* ``retry``: one into the transfer, a second into the RETRIED transfer (the recovery repeats);
+* ``third``: one into each of the first three transfers, in three shards (with four shards or
+  more, so one is left to verify over).
+
+Each ``sync_weights`` must either verify exact weights over the shards it reports, or raise
+within the refit deadline plus the settle budget an error that names every worker killed
+before its last phase began. The killed shards are then replaced by fresh processes, so the
+next sync re-admits them. Workers are ``ProcessWorker``s (one spawned process each, real
+SIGKILLs, real gloo), so a cycle costs about a second.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from refit.control import ReshardWeightSynchronizer
@@ -26,26 +34,38 @@ from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 __all__ = ["run_chaos"]
 
-MODES = ("rebuild", "transfer", "recovery")  # where the kill lands; "recovery": a 2nd kill in the rebuild after a 1st
+MODES = ("rebuild", "transfer", "recovery", "retry", "third")  # where the kills land (see the module's docstring)
+
+
+@dataclass(frozen=True)
+class _Kill:
+    """Kill ``target`` (shard, worker) ``delay_s`` after the sync enters ``phase`` for the ``nth`` time."""
+
+    phase: str
+    nth: int
+    delay_s: float
+    target: tuple[int, int]
 
 
 class _Killer:
-    """Kills ``targets`` ``delay_s`` after the sync enters ``phase`` (once), from a timer thread."""
+    """Kills the targets of ``plan`` as the sync's phases are entered (its ``on_phase``), from timer threads."""
 
-    def __init__(self, kill: Callable[[tuple[int, int]], None], plan: list[tuple[str, float, tuple[int, int]]]):
+    def __init__(self, kill: Callable[[tuple[int, int]], None], plan: list[_Kill]):
         self.kill, self.plan = kill, list(plan)
         self.timers: list[threading.Timer] = []
         self.fired: list[tuple[int, int]] = []
         self.at: list[float] = []  # time.monotonic() of each kill
         self.phases: list[str] = []  # the phase the sync was in as each kill landed
+        self.entered: dict[str, int] = {}  # phase -> how many times the sync entered it
         self.now = ""
+        self.now_since = 0.0  # time.monotonic() the sync entered its latest phase
 
     def __call__(self, phase: str) -> None:
-        self.now = phase
-        for item in [p for p in self.plan if p[0] == phase]:
+        self.now, self.now_since = phase, time.monotonic()
+        self.entered[phase] = self.entered.get(phase, 0) + 1
+        for item in [k for k in self.plan if (k.phase, k.nth) == (phase, self.entered[phase])]:
             self.plan.remove(item)
-            _, delay, target = item
-            t = threading.Timer(delay, self._fire, (target,))
+            t = threading.Timer(item.delay_s, self._fire, (item.target,))
             self.timers.append(t)
             t.start()
 
@@ -64,15 +84,15 @@ def _resources(handles) -> list[dict]:
     return [h.call("refit_resources").result(60) for h in handles]
 
 
-def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trainers: int = 2,
+def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1, 1), trainers: int = 2,
               refit_timeout_s: float = 4.0, grace_s: float = 2.0, ping_timeout_s: float = 2.0,
               hidden: int = 32, transfer_delay_s: float = 0.1, log: Callable[[str], None] | None = None) -> dict:
     """Run cycles until ``kills`` workers were killed and a sync re-admitted a replaced shard
     (at most ``4 * kills + 4`` cycles); return the figures (see the keys).
 
-    ``seed`` makes the schedule (which worker, which moment) reproducible; where each kill
-    lands still depends on the machine. The figures count what happened; the caller
-    decides what to assert.
+    ``seed`` makes the schedule (which mode, which workers, which moments) reproducible;
+    where each kill lands still depends on the machine. The figures count what happened,
+    overall and per mode (``by_mode``); the caller decides what to assert.
     """
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
@@ -93,7 +113,10 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
     fig: dict[str, Any] = {"seed": seed, "kills": 0, "syncs": 0, "verified": 0, "raised": 0, "readmitted": 0,
                            "kills_by_mode": dict.fromkeys(MODES, 0), "kills_by_phase": {}, "errors": [],
                            "unnamed_errors": [], "wrong_weights": [], "slow_errors": [], "torn_reported_healthy": [],
-                           "torn_named": 0, "max_error_s": 0.0,
+                           "partly_named_errors": [], "torn_named": 0, "max_error_s": 0.0,
+                           "by_mode": {m: {"cycles": 0, "kills": 0, "verified": 0, "raised": 0, "errors": {},
+                                           "recoveries": {}, "max_error_s": 0.0, "max_verified_s": 0.0}
+                                       for m in MODES},
                            "max_verified_s": 0.0, "bound_s": bound_s, "timeout_s": refit_timeout_s, "cycles": 0}
     step = 0
 
@@ -160,20 +183,24 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                 es[s] = fut.result()
                 sync.replace_shard(s, es[s])
             pending_heal = {}
-            mode = rng.choice(MODES if healed else MODES[1:])  # no rebuild to kill in without a re-admission
+            mode = rng.choice([m for m in MODES if (m != "rebuild" or healed)  # a rebuild needs a re-admission
+                               and (m != "third" or len(sizes) >= 4)])  # one shard left after three kills
             workers = [(s, w) for s, n in enumerate(sizes) for w in range(n)]
-            first = rng.choice(workers)
+            targets = [rng.choice(workers)]
+            for _ in range({"recovery": 1, "retry": 1, "third": 2}.get(mode, 0)):  # each in a shard not yet hit
+                targets.append(rng.choice([t for t in workers if t[0] not in {u[0] for u in targets}]))
+            in_transfer = rng.uniform(0.0, transfer_delay_s + 0.05)
             if mode == "rebuild":
-                plan = [("build", rng.uniform(0.0, 0.2), first)]
-            elif mode == "transfer":
-                plan = [("transfer", rng.uniform(0.0, transfer_delay_s + 0.05), first)]
-            else:
-                second = rng.choice([t for t in workers if t[0] != first[0]])
-                plan = [("transfer", rng.uniform(0.0, transfer_delay_s + 0.05), first),
-                        ("recover", rng.uniform(0.0, 0.2), second)]
+                plan = [_Kill("build", 1, rng.uniform(0.0, 0.2), targets[0])]
+            elif mode == "recovery":
+                plan = [_Kill("transfer", 1, in_transfer, targets[0]),
+                        _Kill("recover", 1, rng.uniform(0.0, 0.2), targets[1])]
+            else:  # the n-th kill inside the n-th transfer: the first, then the retried ones
+                plan = [_Kill("transfer", n, in_transfer if n == 1 else rng.uniform(0.0, transfer_delay_s + 0.05),
+                              t) for n, t in enumerate(targets, start=1)]
             # the replacements start now, beside the sync, so a cycle does not wait for a spawn
             spawned = {s: spawner.submit(lambda s=s: [engine(s, w) for w in range(sizes[s])])
-                       for s in sorted({t[0] for _, _, t in plan})}
+                       for s in sorted({k.target[0] for k in plan})}
 
             killer = _Killer(kill, plan)
             sync.on_phase = killer
@@ -185,28 +212,47 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
             except Exception as e:  # noqa: BLE001 - every error is judged below: named and bounded
                 res, error = None, e
             ended = time.monotonic()
+            last_phase_at = killer.now_since
             elapsed = ended - t0
             killer.join()
             fig["syncs"] += 1
+            per = fig["by_mode"][mode]
+            per["cycles"] += 1
             if res is not None:
                 bad = check(res.shards)
-                killed_in = {s for (s, _), at in zip(killer.fired, killer.at) if at < ended}
+                # a kill that landed before the last commit round ended is one the sync had to see
+                commit_end = max((t0 + e.at_s + e.duration_s for e in res.events if e.kind == "commit"), default=ended)
+                killed_in = {s for (s, _), at in zip(killer.fired, killer.at) if at < commit_end}
                 if not res.verified or bad or killed_in & set(res.shards):
                     fig["wrong_weights"].append({"step": step, "bad": str(bad), "shards": res.shards,
                                                  "killed": killer.fired})
                 else:
                     fig["verified"] += 1
+                    per["verified"] += 1
+                    per["recoveries"][res.recoveries] = per["recoveries"].get(res.recoveries, 0) + 1
                     fig["readmitted"] += len([s for s in healed if s in res.shards])
                     held.update({(s, w): (es[s][w], step) for s in res.shards for w in range(sizes[s])})
                 fig["max_verified_s"] = max(fig["max_verified_s"], elapsed)
-                outcome = f"verified over {res.shards} in {elapsed:.2f}s"
+                per["max_verified_s"] = round(max(per["max_verified_s"], elapsed), 3)
+                outcome = f"verified over {res.shards} after {res.recoveries} recover(ies) in {elapsed:.2f}s"
             else:
                 fig["raised"] += 1
-                text = f"{type(error).__name__}: {error}"
+                per["raised"] += 1
+                kind = type(error).__name__
+                per["errors"][kind] = per["errors"].get(kind, 0) + 1
+                text = f"{kind}: {error}"
                 fig["errors"].append(text[:300])
                 fig["max_error_s"] = max(fig["max_error_s"], elapsed)
-                if not any(f"shard {s} worker {w}" in text for s, w in killer.fired):
+                per["max_error_s"] = round(max(per["max_error_s"], elapsed), 3)
+                labels = [f"shard {s} worker {w}" for s, w in killer.fired]
+                if not any(label in text for label in labels):
                     fig["unnamed_errors"].append(text[:500])
+                # every kill before the sync's last phase began had a round or a probe to find it
+                seen = [label for label, at in zip(labels, killer.at) if at < last_phase_at]
+                missing = [label for label in seen
+                           if label not in text or label not in (getattr(error, "died", None) or [])]
+                if missing:
+                    fig["partly_named_errors"].append({"missing": missing, "error": text[:500]})
                 if elapsed > bound_s:
                     fig["slow_errors"].append(round(elapsed, 2))
                 outcome = f"raised in {elapsed:.2f}s: {text[:200]}"
@@ -215,6 +261,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1), trai
                 fig["kills_by_phase"][phase] = fig["kills_by_phase"].get(phase, 0) + 1
             fig["kills"] += len(killer.fired)
             fig["kills_by_mode"][mode] += len(killer.fired)
+            per["kills"] += len(killer.fired)
             audit_torn()
             fig["cycles"] = cycles
             say(f"cycle: {mode} kill(s) {killer.fired} -> {outcome}")

@@ -1,8 +1,9 @@
 """Random kills of engine worker processes inside rebuilds and transfers (``refit.testing.chaos``).
 
 CI runs a few cycles; ``REFIT_CHAOS_KILLS=200`` (and ``REFIT_CHAOS_SEED``) runs the figures'
-run. Every sync verifies exact weights or raises, within the refit deadline plus the settle
-budget, an error naming a killed worker; no live engine worker that reports its weights
+run. Kills land in rebuilds, transfers, recoveries and retried transfers (two or three in one
+sync). Every sync verifies exact weights or raises, within the refit deadline plus the settle
+budget, an error naming every worker killed before its last phase; no live engine worker that reports its weights
 consistent holds a mix of steps; killed shards are replaced and re-admitted; the
 trainers hold no more fds, threads or listening ports at the end than after the first sync.
 """
@@ -29,6 +30,9 @@ def test_random_kills_inside_rebuilds_and_transfers_verify_or_name_the_dead_in_b
             json.dump(fig, f, indent=1)
     assert fig["kills"] >= KILLS
     assert fig["unnamed_errors"] == [], fig["unnamed_errors"]
+    assert fig["partly_named_errors"] == [], fig["partly_named_errors"]
+    assert sum(m["cycles"] for m in fig["by_mode"].values()) == fig["cycles"], fig["by_mode"]
+    assert sum(m["kills"] for m in fig["by_mode"].values()) == fig["kills"], fig["by_mode"]
     assert fig["wrong_weights"] == [], fig["wrong_weights"]
     assert fig["torn_reported_healthy"] == [], fig["torn_reported_healthy"]
     assert fig["slow_errors"] == [], (fig["slow_errors"], fig["bound_s"])
