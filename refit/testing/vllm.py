@@ -130,12 +130,15 @@ class VllmFleet:
             generating while refits land (``VllmServingHost``), ``"staged"`` or ``"blocking"``.
         expert_parallel: per engine (or for all), whether vLLM spreads its MoE experts whole over
             the engine's workers (``enable_expert_parallel``) instead of splitting each one.
+        engine_options: more keyword arguments of the engine hosts (``check_served``, ...), for all
+            engines or one mapping per engine.
     """
 
     def __init__(self, engine_tp: Sequence[int] = (1, 2), *, dp: int = 2, tp: int = 2, config: Any = None,
                  receive_mode: str = "auto", start_timeout_s: float = 900.0, cpus: int | None = None,
                  kv_cache_gib: int = 1, model_dir: str | None = None, serving: str = "offline",
-                 trainer_lr: float | None = None, expert_parallel: bool | Sequence[bool] = False):
+                 trainer_lr: float | None = None, expert_parallel: bool | Sequence[bool] = False,
+                 engine_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None):
         if serving not in ("offline", "staged", "blocking"):
             raise RefitError(f"serving must be 'offline', 'staged' or 'blocking', got {serving!r}")
         self.serving = serving
@@ -157,6 +160,12 @@ class VllmFleet:
             raise RefitError(f"expert_parallel gives {len(ep)} engines, engine_tp {len(self.engine_tp)}")
         self.expert_parallel = ep
         self.receive_mode = receive_mode
+        opts = engine_options or {}
+        self.engine_options = ([dict(opts)] * len(self.engine_tp) if isinstance(opts, Mapping)
+                               else [dict(o) for o in opts])
+        if len(self.engine_options) != len(self.engine_tp):
+            raise RefitError(f"engine_options gives {len(self.engine_options)} engines, engine_tp "
+                             f"{len(self.engine_tp)}")
         self.start_timeout_s = start_timeout_s
         self.cpus = cpus or os.cpu_count() or 1
         self.kv_cache_gib = kv_cache_gib
@@ -196,6 +205,7 @@ class VllmFleet:
                                       max_model_len=128, enforce_eager=True, max_num_seqs=4)
         if self.expert_parallel[shard]:
             kwargs["enable_expert_parallel"] = True
+        kwargs.update(self.engine_options[shard])
         host = VllmEngineHost
         if self.serving != "offline":
             host, kwargs["refit"] = VllmServingHost, self.serving

@@ -50,13 +50,15 @@ class VllmEngineHost:
         model: path of the model (a directory with ``config.json``; ``load_format="dummy"``
             starts without checkpoint files, as an engine waiting for its first refit).
         receive_mode: ``"auto"``, ``"loader"`` or ``"direct"`` (see ``refit.engines.vllm.worker``).
+        check_served, reprocess_shared: the workers' served check and re-processing of layers that
+            share a loaded parameter (``VllmWorkerEndpoint``); both on by default.
         env: environment variables for vLLM, set in this process before the engine starts
             (for example ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_KVCACHE_SPACE`` on the host).
         **llm_kwargs: passed to ``vllm.LLM`` (``tensor_parallel_size``, ``dtype``, ...).
     """
 
     def __init__(self, model: str, *, receive_mode: str = "auto", env: dict[str, str] | None = None,
-                 **llm_kwargs: Any):
+                 check_served: bool = True, reprocess_shared: bool = True, **llm_kwargs: Any):
         if "worker_extension_cls" in llm_kwargs:
             raise RefitError("VllmEngineHost sets worker_extension_cls itself (refit's worker extension)")
         os.environ.update({k: str(v) for k, v in (env or {}).items()})
@@ -68,7 +70,8 @@ class VllmEngineHost:
         self._incomplete = False
         self._reason: str | None = None  # why the weights are torn, while they are
         self.version = 0  # refits committed
-        info = self._batch("refit_attach", {r: ((), {"receive_mode": receive_mode}) for r in range(self.tp_size)})
+        options = {"receive_mode": receive_mode, "check_served": check_served, "reprocess_shared": reprocess_shared}
+        info = self._batch("refit_attach", {r: ((), options) for r in range(self.tp_size)})
         self.workers_info = [_unwrap(x) for x in info]
         self.worker_pids = [w["pid"] for w in self.workers_info]
         # loader mode touches the live weights only at the commit; direct mode writes them in place

@@ -61,7 +61,7 @@ def open_sealed(blob: bytes, key: str | None = None) -> Any:
 class RefitWorkerExtension:
     """Mixed into vLLM's worker: ``refit_dispatch(sealed_batch) -> sealed answer``."""
 
-    def _refit_endpoint(self, receive_mode: str = "auto"):
+    def _refit_endpoint(self, receive_mode: str = "auto", check_served: bool = True, reprocess_shared: bool = True):
         ep = self.__dict__.get("_refit_vllm_endpoint")
         if ep is None:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -76,7 +76,8 @@ class RefitWorkerExtension:
                                     tp_rank=get_tensor_model_parallel_rank(),
                                     tp_size=get_tensor_model_parallel_world_size(),
                                     device=self.device, receive_mode=receive_mode,
-                                    quantized=cfg.quantization is not None)
+                                    quantized=cfg.quantization is not None, check_served=check_served,
+                                    reprocess_shared=reprocess_shared)
             self._refit_vllm_endpoint = ep
         return ep
 

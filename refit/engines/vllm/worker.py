@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from refit.engines.vllm.destinations import plan_destinations
+from refit.engines.vllm.served import ServedReport, check_served, reprocess_sharing_layers
 from refit.engines.vllm.shard_tensor import as_checkpoint_tensor
 from refit.errors import LayoutError, RefitError
 from refit.layout import mesh_coords_of, shard_slices
@@ -83,10 +84,17 @@ class VllmWorkerEndpoint(EngineEndpoint):
         device: where the model lives.
         receive_mode: ``"auto"``, ``"loader"`` or ``"direct"``.
         quantized: whether the engine runs a quantization method (forces loader mode).
+        check_served: after every load, run each layer that holds a received weight through its
+            own kernel and compare with the verified shard (``refit.engines.vllm.served``); a
+            layer that disagrees fails the commit, named, and the worker stays inconsistent.
+        reprocess_shared: after every load, re-run the post-load processing of layers that share a
+            loaded parameter without loading it themselves (a tied output head). False leaves them
+            as vLLM's own reload does, which is how the served check is shown to catch them.
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any, *, tp_rank: int, tp_size: int,
-                 device: torch.device, receive_mode: str = "auto", quantized: bool = False):
+                 device: torch.device, receive_mode: str = "auto", quantized: bool = False,
+                 check_served: bool = True, reprocess_shared: bool = True):
         self.model = model
         self.model_config = model_config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -95,6 +103,10 @@ class VllmWorkerEndpoint(EngineEndpoint):
         self.destinations = plan_destinations(model, tp_rank=tp_rank, tp_size=tp_size)
         self.loads = 0
         self.last_load_s = 0.0
+        self.check_served = bool(check_served)
+        self.reprocess_shared = bool(reprocess_shared)
+        self.last_served: ServedReport | None = None
+        self.reprocessed: list[str] = []  # layers re-processed because they share a loaded parameter
         if self.receive_mode == "direct":
             self._views, self._loadable = self._direct_views(), {}
         else:
@@ -137,7 +149,9 @@ class VllmWorkerEndpoint(EngineEndpoint):
         return {"mode": self.receive_mode, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "params": len(self.destinations),
                 "bytes": sum(v.numel() * v.element_size() for v in self._views.values()),
-                "loads": self.loads, "last_load_s": self.last_load_s}
+                "loads": self.loads, "last_load_s": self.last_load_s, "check_served": self.check_served,
+                "served": None if self.last_served is None else self.last_served.as_dict(),
+                "reprocessed": list(self.reprocessed)}
 
     # -- after a verified refit -------------------------------------------------------
     def _refit_in_place(self) -> bool:
@@ -148,6 +162,24 @@ class VllmWorkerEndpoint(EngineEndpoint):
     def on_weights_loaded(self) -> None:
         if self.receive_mode == "loader":
             self.load_received()
+        if self.check_served:
+            self.check_served_weights()
+
+    def check_served_weights(self) -> ServedReport:
+        """Run every layer holding a received weight through its own kernel; raise naming those that disagree.
+
+        The received shards passed the controller's checksums, so a layer that computes
+        something else serves weights nobody verified (a private copy that was not rebuilt,
+        a layout read wrongly). The worker is marked inconsistent before the error leaves,
+        so it is never reported serving the new version.
+        """
+        report = check_served(self.model, self.destinations, self._views, tp_rank=self.tp_rank, salt=self.loads)
+        self.last_served = report
+        if report.mismatches:
+            self.mark_weights_inconsistent(f"{len(report.mismatches)} layer(s) do not compute with the verified "
+                                           f"weights: {', '.join(sorted({m.layer for m in report.mismatches}))}")
+            report.raise_if_mismatched(self._refit_label())
+        return report
 
     def load_received(self) -> None:
         """Run vLLM's loaders over the received shards under layerwise reload.
@@ -220,6 +252,10 @@ class VllmWorkerEndpoint(EngineEndpoint):
             finalize_layerwise_reload(self.model, self.model_config)
             if not finished:
                 log.error("refit: loading the received weights failed; unfinished layers keep their old weights")
+        # layerwise reload re-processes the layers it loaded; a layer tied to one of them (an
+        # output head sharing the embedding) keeps the private copy it made at start-up
+        if self.reprocess_shared:
+            self.reprocessed = reprocess_sharing_layers(self.model, {d.target for d in self.destinations})
 
     def received_state(self) -> Mapping[str, torch.Tensor]:
         """The shards as received (loader mode) or as written in place (direct mode), by checkpoint name."""
