@@ -642,10 +642,11 @@ class _SynchronizerBase:
           rebuild's rendezvous get at most what is left of it less ``grace_s``, and the
           controller waits on no round past it.
 
-        So a sync that raises does so by ``t0 + T + S`` plus a liveness probe
-        (``ping_timeout_s``, only while some worker does not answer), whatever the number of
-        losses; a sync whose first attempt itself ran past ``t0 + T + S - grace_s`` raises
-        without recovering. ``T = None`` lifts the limits: the shard count alone bounds recovery.
+        So a sync that raises does so by ``t0 + T + S``, whatever the number of losses; only a
+        first failure that itself came late can add the first round's liveness probe (up to
+        ``ping_timeout_s``, while some worker does not answer), which diagnoses it (a frozen
+        worker: ``NoAbsentShard``). A sync whose first attempt ran past ``t0 + T + S - grace_s``
+        raises without rebuilding. ``T = None`` lifts the limits: the shard count alone bounds recovery.
 
         The engines' weights become ``version`` (``SyncResult.version``): by default one more
         than the newest any engine or this synchronizer has seen, so versions only grow, also
@@ -750,10 +751,11 @@ class _SynchronizerBase:
         last = limits.last
         lost = self._lost()
         return RecoveryDeadlineExceeded(
-            f"refit gave up recovering after {limits.rounds} round(s): its deadline passed "
-            f"(no further round after {self.refit_timeout_s:g}s from the start of the sync, every step ended "
-            f"{self.settle_budget_s():g}s after that); lost in this sync: {', '.join(lost) or 'no one found dead'}; "
-            f"the last failure: {last}", phase=last.phase if last is not None else "recover",
+            f"refit gave up recovering after {limits.rounds} round(s): its deadline passed (no further recovery "
+            f"round begins later than {self.refit_timeout_s:g}s after the start of the sync, and every step ends "
+            f"within the {self.settle_budget_s():g}s settle budget after that); lost in this sync: "
+            f"{', '.join(lost) or 'no one found dead'}; the last failure: {last}",
+            phase=last.phase if last is not None else "recover",
             failures=last.failures if last is not None else None,
             timed_out=last.timed_out if last is not None else (), died=lost)
 
@@ -850,12 +852,20 @@ class _SynchronizerBase:
         rest, rather than the rebuild's failure blaming every worker that waited for the
         dead one. Every retry excludes at least one more shard (else ``NoAbsentShard``), so
         there are at most as many as there are shards. No rebuild begins past the sync's
-        limits (``_Limits.may_start``); the dead are found first, so that the error names them.
+        limits (``_Limits.may_start``). In the first round the dead are probed for first, so
+        that a late first failure is still diagnosed (a frozen worker: ``NoAbsentShard``);
+        later rounds past the limits raise at once, naming the dead their rounds saw and
+        those whose handles say so.
         """
+        limits = self._limits
         for _ in range(self.dp_size + 1):
+            if limits is not None and limits.rounds > 1 and not limits.may_start():
+                # no probe: its answer cannot start a rebuild now, and workers still unwinding
+                # from the failed round would hold it for the whole ping timeout past the limit
+                raise self._deadline_error() from failure
             absent = self._absent_after(failure, rec)
             rec.note("absent", f"shards {absent}")
-            if self._limits is not None and not self._limits.may_start():
+            if limits is not None and not limits.may_start():
                 raise self._deadline_error() from failure
             try:
                 rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
@@ -866,8 +876,8 @@ class _SynchronizerBase:
                 _raise_if_refused(again)
                 rec.note("failure", f"rebuild over shards {self._attempted.surviving_shards}: {again}")
                 failure = again
-                if self._limits is not None:
-                    self._limits.last = again
+                if limits is not None:
+                    limits.last = again
         raise RefitWorkerError(f"gave up recovering after {self.dp_size + 1} rebuilds: {failure}",
                                phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out,
                                died=failure.died) from failure
