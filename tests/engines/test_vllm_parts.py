@@ -110,6 +110,7 @@ class _LoaderWithoutVllm(VllmWorkerEndpoint):
     def __init__(self, receive_mode: str = "loader"):
         self.receive_mode = receive_mode
         self.loads, self.last_load_s = 0, 0.0
+        self.check_served = False  # no vLLM layers to run: the served check has its own real-engine tests
         self.layers = [0, 0, 0]
         self.fail_at: int | None = None
         self.told: list[str] = []
