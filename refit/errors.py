@@ -42,3 +42,14 @@ class InconsistentWeights(RefitError, RuntimeError):
     way) and did not complete: some params are new, some old, some half of each. Serving
     them would look like a model and be none; the engine refuses until a refit completes.
     """
+
+
+class LateCall(TransportError):
+    """A call reached its worker after the deadline of the build or transfer it belongs to.
+
+    The worker was busy (an earlier call, a long step) while the controller waited, gave up
+    and moved on. Running the call then would wait out a rendezvous whose peers are gone and
+    hold every later call behind it, so it is abandoned at once; the worker is late, not
+    frozen or dead.
+    """
+

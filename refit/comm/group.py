@@ -143,7 +143,10 @@ class StatelessProcessGroup:
     secret to every rank of one build, through a channel you trust (refit's controller
     does, every build). Without one, values are still decoded as data only, never
     unpickled, but a stranger on the port could pass one off as a rank's. The store and
-    gloo listen on the interface of ``master_address`` only.
+    gloo listen on the interface of ``master_address`` only. ``binding`` (the same bytes on
+    every rank: refit's controller passes the epoch and a nonce drawn for the build) ties
+    each value to this build, so a value of another build under the same secret is
+    refused; without one, the group's name, address, port and size are bound.
 
     NCCL operations are stream-ordered: ``broadcast`` and ``p2p_group`` return once the
     work is queued on the stream (the current one unless ``stream`` is given), and work
@@ -165,6 +168,7 @@ class StatelessProcessGroup:
         peer: str = "nemo",
         init_timeout_s: float | None = None,
         secret: bytes | str | None = None,
+        binding: bytes | None = None,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise RefitError(f"StatelessProcessGroup: rank {rank} is outside world size {world_size}")
@@ -177,7 +181,9 @@ class StatelessProcessGroup:
         self.port = port
         self.peer = peer
         self.init_timeout_s = init_timeout_s if init_timeout_s is not None else min(timeout_s, 120.0)
-        self._connect(resolve_secret(secret))
+        if binding is None:  # what tells this build from another on the same secret, without a nonce
+            binding = f"{name}\0{master_address}:{port}\0{world_size}".encode()
+        self._connect(resolve_secret(secret), bytes(binding), time.monotonic() + self.init_timeout_s)
         if backend == "nccl":
             try:
                 self.init_nccl_communicator(device, peer=peer)
@@ -204,14 +210,20 @@ class StatelessProcessGroup:
         self.store: SealedStore | None = None
         self.authenticated = False
 
-    def _connect(self, secret: bytes | None) -> None:
+    def _connect(self, secret: bytes | None, binding: bytes, deadline: float) -> None:
+        """The store, then gloo, both within ``deadline`` (``time.monotonic()``)."""
         hosting = self.rank == 0
         listener = bind_listener(self.master_address, self.port) if hosting else None
         try:
             extra = {"master_listen_fd": listener.fileno()} if hosting else {}
+            # A client retries its connect for the store's whole timeout: bounded by the connect
+            # budget, not the group's, so a worker joining a build whose host is gone gives up
+            # at its deadline (under the group's 8s timeout it took 21s, and the calls queued
+            # behind it on the worker missed the next build too).
             tcp = dist.TCPStore(
                 self.master_address, self.port, self.world_size, hosting,
-                timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False, **extra,
+                timeout=timedelta(seconds=max(min(self.timeout_s, deadline - time.monotonic()), 0.1)),
+                wait_for_workers=False, **extra,
             )
         except Exception as e:  # torch raises RuntimeError/DistNetworkError subclasses
             if listener is not None:
@@ -223,10 +235,12 @@ class StatelessProcessGroup:
             ) from e
         if listener is not None:
             listener.detach()  # the store owns the socket now, and closes it
-        self.store = SealedStore(tcp, secret) if secret is not None else OpenStore(tcp)
+        self.store = SealedStore(tcp, secret, binding) if secret is not None else OpenStore(tcp)
         self.authenticated = secret is not None
         if self.backend == "gloo":
-            self._connect_gloo(time.monotonic() + self.init_timeout_s)
+            self._connect_gloo(deadline)
+        else:
+            self.store.set_timeout(timedelta(seconds=self.timeout_s))
 
     def _connect_gloo(self, deadline: float) -> None:
         """Build the gloo group, giving up at ``deadline`` even if a peer dies half-way through.
@@ -257,9 +271,27 @@ class StatelessProcessGroup:
             time.sleep(0.01)
         left = max(deadline - time.monotonic(), 0.5)
         self.store.set_timeout(timedelta(seconds=left))
-        self._pg = self._gloo_group(f"{self.name}/gloo", self.rank, self.world_size, timeout_s=left / 5)
+        try:
+            self._pg = self._gloo_group(f"{self.name}/gloo", self.rank, self.world_size, timeout_s=left / 5)
+        except Exception as e:
+            self._raise_if_tampered(e)
+            raise
         self._pg._set_default_timeout(timedelta(seconds=self.timeout_s))
         self.store.set_timeout(timedelta(seconds=self.timeout_s))
+
+    def _raise_if_tampered(self, error: BaseException) -> None:
+        """``RendezvousTampered`` naming the key and this rank, when a value read under ``error`` did not verify.
+
+        Gloo reads its peers' addresses through this store from inside its own code, and
+        what reaches Python then is only that its rendezvous failed; the store remembers
+        which key held the forged value.
+        """
+        key = getattr(self.store, "tampered", None)
+        if key is not None:
+            raise RendezvousTampered(
+                f"StatelessProcessGroup rank {self.rank}/{self.world_size}: the rendezvous key {key!r} held a "
+                f"value no rank of this build wrote ({type(error).__name__} in the connect); refusing the build",
+                key=key, rank=self.rank) from error
 
     def _gloo_group(self, prefix: str, rank: int, world_size: int, *, timeout_s: float | None = None):
         """A gloo group whose pairs listen on the interface that routes to the master only."""
@@ -419,8 +451,8 @@ class StatelessProcessGroup:
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
             values = self.store.multi_get(keys)
-        except RendezvousTampered:
-            raise
+        except RendezvousTampered as e:
+            raise RendezvousTampered(f"all_gather_object rank {self.rank}: {e}", key=e.key, rank=self.rank) from None
         except Exception as e:
             raise TransportError(
                 f"all_gather_object rank {self.rank}: a peer did not publish within {self.timeout_s}s: {e}"

@@ -38,7 +38,17 @@ _MAC_BYTES = 32
 
 
 class RendezvousTampered(RefitError):
-    """A value in the rendezvous store was not written by a rank of this build."""
+    """A value in the rendezvous store was not written by a rank of this build.
+
+    ``key`` is the store key that held it and ``rank`` the rank that read it (None where
+    unknown). Nothing about the build can be trusted after it, so it is rebuilt from
+    nothing: a fresh secret, nonce and port.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, rank: int | None = None):
+        super().__init__(message)
+        self.key = key
+        self.rank = rank
 
 
 def new_secret() -> bytes:
@@ -65,20 +75,26 @@ def resolve_secret(secret: bytes | str | None) -> bytes | None:
 
 
 class SealedStore(dist.Store):
-    """A store whose values are authenticated: HMAC-SHA256 of key and value under the build's secret.
+    """A store whose values are authenticated: HMAC-SHA256 of build, key and value under a secret.
 
-    The key is part of the MAC, so a value cannot be replayed under another key, and the
-    secret is new every build, so nothing carries over from an earlier one. It is a
-    ``torch.distributed.Store``, so gloo's own rendezvous goes through it as well.
+    The key is part of the MAC, so a value cannot be replayed under another key. So is the
+    build (``binding``: its epoch and a nonce drawn for it), so a value cannot be replayed
+    into another build either, even when builds share a secret: a user's
+    ``REFIT_RENDEZVOUS_SECRET`` does, and so does every re-init of vLLM's weight transfer.
+    It is a ``torch.distributed.Store``, so gloo's own rendezvous goes through it as well.
+    A value that does not verify is remembered (``tampered``): it may be read inside gloo's
+    own code, which reports only that its rendezvous failed.
     """
 
-    def __init__(self, inner: dist.Store, secret: bytes):
+    def __init__(self, inner: dist.Store, secret: bytes, binding: bytes = b""):
         super().__init__()
         self.inner = inner
         self._secret = secret
+        self._binding = hashlib.sha256(b"refit-build\0" + binding).digest()
+        self.tampered: str | None = None  # the first key whose value did not verify
 
     def _mac(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+        return hmac.new(self._secret, self._binding + key.encode() + b"\0" + value, hashlib.sha256).digest()
 
     def _seal(self, key: str, value: bytes | str) -> bytes:
         raw = value.encode() if isinstance(value, str) else bytes(value)
@@ -87,9 +103,12 @@ class SealedStore(dist.Store):
     def _open(self, key: str, sealed: bytes) -> bytes:
         mac, raw = sealed[:_MAC_BYTES], sealed[_MAC_BYTES:]
         if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, raw)):
+            if self.tampered is None:
+                self.tampered = key
             raise RendezvousTampered(
                 f"rendezvous key {key!r} holds a value no rank of this build wrote (it does not verify "
-                "under the build's secret): something else wrote to the store; refusing it")
+                "under the build's secret and nonce): something else wrote to the store, or replayed a "
+                "value of another build; refusing it", key=key)
         return raw
 
     def set(self, key: str, value: bytes | str) -> None:

@@ -18,7 +18,10 @@ communicator AND the plan are rebuilt over the survivors, and the transfer is re
 a retry that loses more workers recovers again, each round over fewer shards, until the
 sync's deadline (``refit_timeout_s`` from its start; see ``sync_weights``). A rank that
 froze is alive and cannot be told apart from a slow one, so it is never excluded: the
-sync then fails with ``NoAbsentShard`` instead of hanging.
+sync then fails with ``NoAbsentShard`` instead of hanging. A worker that answered late
+but answers now is named as such (``WorkersLate``), and a value in the rendezvous that no
+rank of the build wrote fails the sync as ``RefitTampered``; neither excludes anyone, and
+the next sync rebuilds.
 """
 
 from refit.control.errors import (
@@ -26,8 +29,10 @@ from refit.control.errors import (
     NoAbsentShard,
     RecoveryDeadlineExceeded,
     RefitRefused,
+    RefitTampered,
     RefitVerificationError,
     RefitWorkerError,
+    WorkersLate,
 )
 from refit.control.result import SyncEvent, SyncResult
 from refit.control.synchronizer import (
@@ -45,6 +50,7 @@ __all__ = [
     "NoAbsentShard",
     "RecoveryDeadlineExceeded",
     "RefitRefused",
+    "RefitTampered",
     "NoSurvivingShards",
     "RefitVerificationError",
     "RefitWorkerError",
@@ -52,6 +58,7 @@ __all__ = [
     "SyncEvent",
     "SyncResult",
     "WeightSynchronizer",
+    "WorkersLate",
     "as_worker",
     "verify_checksums",
 ]

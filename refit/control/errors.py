@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from refit.comm.rendezvous import RendezvousTampered
 from refit.errors import RefitError
 from refit.membership import NoSurvivingShards
 
 __all__ = ["EveryShardLost", "NoAbsentShard", "NoSurvivingShards", "RecoveryDeadlineExceeded", "RefitRefused",
-           "RefitVerificationError", "RefitWorkerError"]
+           "RefitTampered", "RefitVerificationError", "RefitWorkerError", "WorkersLate"]
 
 
 class RefitWorkerError(RefitError):
@@ -31,6 +32,9 @@ class RefitWorkerError(RefitError):
         self.timed_out = list(timed_out)
         self.died = list(died)
         self.inconsistent = list(inconsistent)
+        # what the controller itself lost to being stopped or starved while it waited (seconds)
+        self.controller_stalled_s = 0.0
+        self.late: list[str] = []  # workers that started a call past its deadline and abandoned it
 
 
 class NoAbsentShard(RefitWorkerError):
@@ -40,6 +44,34 @@ class NoAbsentShard(RefitWorkerError):
     answer, yet it is not dead, and a rebuild that kept it would hang exactly as the
     failed attempt did.
     """
+
+
+class WorkersLate(NoAbsentShard):
+    """A refit step failed because workers answered it late, and each of them is alive and answers.
+
+    ``late`` names them. A worker busy with an earlier call (a long step, a call of a build
+    the controller gave up on) starts the next one late; it is neither dead nor frozen, so
+    nothing is excluded. The next sync rebuilds with it: the calls it was late for abandon
+    themselves (``LateCall``) instead of holding every later call behind them.
+    """
+
+    def __init__(self, message: str, *, late: Sequence[str] = (), **kwargs):
+        super().__init__(message, **kwargs)
+        self.late = list(late)
+
+
+class RefitTampered(RefitWorkerError, RendezvousTampered):
+    """Something that is not a rank of the build wrote a value the build read: the headline of the sync.
+
+    ``key`` is the store key, ``rank``/``seen_by`` the rank and worker that read the forged
+    value. Recovery by excluding shards would blame the workers that waited for that rank,
+    so nothing is excluded; the next sync rebuilds with a fresh secret, nonce and port.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, rank: int | None = None, seen_by: str = "",
+                 **kwargs):
+        super().__init__(message, **kwargs)
+        self.key, self.rank, self.seen_by = key, rank, seen_by
 
 
 class RecoveryDeadlineExceeded(RefitWorkerError):
@@ -65,9 +97,8 @@ class RefitRefused(RefitWorkerError):
 
     Every failing worker raised a configuration error (``PlanError``, ``LayoutError``,
     ``ConfigError``) while connecting or preparing, and none died or froze: the input is
-    wrong, not an engine lost, so nothing is excluded, rebuilt or retried. Such refusals
-    used to reach the caller as ``NoAbsentShard`` ("no generation shard could be
-    identified as absent"), which sent users looking for a frozen engine.
+    wrong, not an engine lost, so nothing is excluded, rebuilt or retried; reported as a
+    lost engine (``NoAbsentShard``), it sent users looking for a frozen one.
     """
 
 

@@ -10,23 +10,26 @@ what happens when someone leaves exists once.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from refit.comm.rendezvous import new_secret
+from refit.comm.rendezvous import RendezvousTampered, new_secret
 from refit.control.errors import (
     EveryShardLost,
     NoAbsentShard,
     RecoveryDeadlineExceeded,
     RefitRefused,
+    RefitTampered,
     RefitWorkerError,
+    WorkersLate,
 )
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import brief, settle_before_propagating, wait_any
 from refit.control.verify import verify_checksums
-from refit.errors import PlanError, RefitError
+from refit.errors import LateCall, PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.runtime.endpoint import ConnectSpec
@@ -38,6 +41,7 @@ __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightS
 GRACE_S = 5.0  # slack on top of a worker's own deadline before the controller stops waiting
 NO_DEADLINE_SETTLE_S = 30.0  # settle budget when refit_timeout_s is None
 NO_DEADLINE_ROUND_S = 300.0  # bound on control calls (connect, prepare, commit) without a deadline
+_STALL_SLACK_S = 1.0  # a controller wait that overruns what it asked for by more was stopped or starved
 
 
 @runtime_checkable
@@ -385,7 +389,9 @@ class _SynchronizerBase:
         """Wait for every call; at the first failure (or the timeout) settle the rest, then raise.
 
         ``stragglers_s`` is the deadline the workers themselves give up at in this phase
-        (the refit deadline, or the rendezvous timeout for ``connect``).
+        (the refit deadline, or the rendezvous timeout for ``connect``). Every answer that
+        arrived by the end of the settle counts: when they all arrived and none failed (the
+        controller itself was stopped or starved while they came in), the round succeeded.
         """
         results: dict[_Member, Any] = {}
         pending = dict(calls)
@@ -394,32 +400,34 @@ class _SynchronizerBase:
         last: tuple[float, str] = (0.0, "")  # the slowest member so far, for the sync's events
         deadline = None if timeout_s is None else dispatched + timeout_s
         failures: dict[str, str] = {}
+        errors: dict[str, BaseException] = {}
         died: list[str] = []
-        while pending and not failures:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done = wait_any(list(pending.values()), left)
-            if not done:
-                break
-            for m in [m for m, p in pending.items() if p in done]:
+        stalled = 0.0  # how much longer than asked the controller's own waits took
+
+        def collect(ready: Sequence[_Member]) -> None:
+            nonlocal last
+            for m in ready:
                 p = pending.pop(m)
                 last = (time.monotonic() - dispatched, m.label)
                 try:
                     results[m] = p.result(0)
-                except WorkerDied as e:
-                    died.append(m.label)
-                    failures[m.label] = brief(e)
                 except Exception as e:  # noqa: BLE001 - reported below with the worker's name
-                    if type(e).__name__ in ("ActorDiedError", "RayActorError"):
+                    errors[m.label] = e
+                    if isinstance(e, WorkerDied) or type(e).__name__ in ("ActorDiedError", "RayActorError"):
                         died.append(m.label)
                     failures[m.label] = brief(e)
-        if not pending:
-            if not failures:
-                if self._rec is not None:
-                    self._rec.note("round", f"{phase}: {len(results)} worker(s) in {last[0]:.3f}s, "
-                                            f"the last {last[1]}")
-                return results
-            timed_out: list[str] = []
-        else:
+
+        while pending and not failures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            asked = time.monotonic()
+            done = wait_any(list(pending.values()), left)
+            if left is not None:
+                stalled = max(stalled, time.monotonic() - asked - left - _STALL_SLACK_S)
+            if not done:
+                break
+            collect([m for m, p in pending.items() if p in done])
+        timed_out: list[str] = []
+        if pending:
             # The stragglers were armed when this round was dispatched, so their own deadline
             # (plus the grace) is counted from then: a rank frozen for good is waited for
             # until every live rank must have given up, not for a whole budget after that.
@@ -428,6 +436,7 @@ class _SynchronizerBase:
                 budget = stragglers_s + self.grace_s
             budget = self._cap_wait(min(budget, max(self.grace_s, dispatched + budget - time.monotonic())))
             settle_before_propagating(list(pending.values()), budget, phase)
+            collect([m for m, p in pending.items() if p.done() and not m.worker.is_dead()])
             # a member whose process is gone is dead, not late: name it as such, so the
             # error blames the worker that died rather than every one still waiting for it
             for m, p in pending.items():
@@ -436,10 +445,34 @@ class _SynchronizerBase:
                     failures[m.label] = f"WorkerDied: {m.label} died"
             timed_out = [m.label for m, p in pending.items() if not p.done() and m.label not in failures]
             self._abandoned += [p for p in pending.values() if not p.done()]
+            if not failures and not timed_out:
+                if self._rec is not None:
+                    self._rec.note("round", f"{phase}: every answer arrived by the end of the settle"
+                                            + (f" (the controller stalled {stalled:.1f}s)" if stalled > 0 else ""))
+                return results
+        elif not failures:
+            if self._rec is not None:
+                self._rec.note("round", f"{phase}: {len(results)} worker(s) in {last[0]:.3f}s, "
+                                        f"the last {last[1]}"
+                                        + (f" (the controller stalled {stalled:.1f}s)" if stalled > 0 else ""))
+            return results
+        if self._limits is not None:
+            self._limits.lose(died)
+        tampered = [(label, e) for label, e in errors.items() if isinstance(_cause(e), RendezvousTampered)]
+        if tampered:
+            label, e = tampered[0]
+            cause = _cause(e)
+            raise RefitTampered(
+                f"refit {phase}: the rendezvous was tampered with: {label} read a value of key {cause.key!r} that no "
+                f"rank of this build wrote ({failures[label]}); nothing was excluded, and the next sync rebuilds "
+                "with a fresh secret, nonce and port", key=cause.key, rank=cause.rank, seen_by=label, phase=phase,
+                failures=failures, timed_out=timed_out, died=died)
+        late = [label for label, e in errors.items() if isinstance(_cause(e), LateCall)]
         # a death leads the message: the workers that failed beside it were waiting for it, and
         # when both land in one wait the order of the members would blame a survivor first
         first = next(((label, failures[label]) for label in died if label in failures),
-                     next(iter(failures.items()), None))
+                     next(((label, failures[label]) for label in failures if label not in late),
+                          next(iter(failures.items()), None)))
         if first is not None:
             msg = f"refit {phase} failed on {first[0]}: {first[1]}"
             if len(failures) > 1:
@@ -448,9 +481,15 @@ class _SynchronizerBase:
             msg = f"refit {phase}: {', '.join(timed_out)} did not answer within {timeout_s:.1f}s"
         if timed_out and first is not None:
             msg += f"; still running after the settle: {', '.join(timed_out)}"
-        if self._limits is not None:
-            self._limits.lose(died)
-        raise RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died)
+        if late:
+            msg += f"; late (started the call past its deadline, abandoned it): {', '.join(late)}"
+        if stalled > 0:
+            msg += (f"; the controller itself stalled {stalled:.1f}s while it waited (stopped or starved), so "
+                    "workers may have answered in time")
+        error = RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died)
+        error.controller_stalled_s = max(stalled, 0.0)
+        error.late = late
+        raise error
 
     def _call_all(self, members: Sequence[_Member], method: str, *args: Any, **kwargs: Any) -> dict[_Member, Any]:
         return {m: m.worker.call(method, *args, **kwargs) for m in members}
@@ -488,13 +527,14 @@ class _SynchronizerBase:
         root = members[0]
         backend = self._backend_for(members, timeout)
         addr, port = self._round("rendezvous", {root: root.worker.call("refit_rendezvous")}, timeout)[root]
-        secret = new_secret()
+        secret, nonce = new_secret(), secrets.token_bytes(16)
         calls = {}
+        sent_at = time.time()
         for m in members:
             size = None if m.shard is None else membership.shard_size(m.shard)
             spec = ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
                                mesh_offset=m.first_rank, mesh_size=size, label=m.label, backend=backend,
-                               secret=secret)
+                               secret=secret, sent_at=sent_at, nonce=nonce)
             calls[m] = m.worker.call("refit_connect", spec)
         rosters = self._round("connect", calls, timeout + connect_s, stragglers_s=connect_s)
         by_rank = {m.rank: rosters[m] for m in members}
@@ -687,7 +727,7 @@ class _SynchronizerBase:
             try:
                 self._attempt(rec)
             except RefitWorkerError as failure:
-                if isinstance(failure, NoAbsentShard) or failure.phase == "check":
+                if isinstance(failure, (NoAbsentShard, RefitTampered)) or failure.phase == "check":
                     raise
                 _raise_if_refused(failure)
                 failed_at = rec.now()
@@ -726,7 +766,7 @@ class _SynchronizerBase:
             try:
                 self._attempt(rec)
             except RefitWorkerError as again:
-                if isinstance(again, (NoAbsentShard, RecoveryDeadlineExceeded)) or again.phase == "check":
+                if isinstance(again, _NOT_RECOVERABLE) or again.phase == "check":
                     raise
                 _raise_if_refused(again)
                 failure = again
@@ -808,7 +848,8 @@ class _SynchronizerBase:
             try:
                 watchdog = self._cap_worker(self.refit_timeout_s)
                 reports = self._round("transfer", self._call_all(members, "refit_transfer", self._epoch,
-                                                                 timeout_s=watchdog, verify=self.verify),
+                                                                 timeout_s=watchdog, verify=self.verify,
+                                                                 sent_at=time.time()),
                                       None if watchdog is None else watchdog + self.grace_s, stragglers_s=watchdog)
             except RefitWorkerError:
                 self._broken = True
@@ -871,7 +912,7 @@ class _SynchronizerBase:
                 rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
                 return
             except RefitWorkerError as again:
-                if isinstance(again, (NoAbsentShard, RecoveryDeadlineExceeded)) or again.phase == "check":
+                if isinstance(again, _NOT_RECOVERABLE) or again.phase == "check":
                     raise
                 _raise_if_refused(again)
                 rec.note("failure", f"rebuild over shards {self._attempted.surviving_shards}: {again}")
@@ -913,10 +954,20 @@ class _SynchronizerBase:
                 rec.note("quarantine", f"shards {sorted(failed)}: commit failed; left out until replace_shard")
             newly |= failed
         if not newly:
+            silent_labels = {m.label for m in silent}
+            late = list(dict.fromkeys([*failure.late, *(t for t in failure.timed_out if t not in silent_labels)]))
+            stalled = (f" The controller itself stalled {failure.controller_stalled_s:.1f}s while it waited "
+                       "(stopped or starved)." if failure.controller_stalled_s > 0 else "")
+            if late and not silent:
+                raise WorkersLate(
+                    f"refit {failure.phase} failed ({failure}): {', '.join(late)} answered late, past the round's "
+                    f"deadline, and answer now: late (busy with an earlier call, or slow to start), not dead or "
+                    f"frozen.{stalled} Nothing was excluded; the next sync rebuilds with them.", late=late,
+                    phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out) from failure
             names = ", ".join(m.label for m in silent)
             hint = (f" {names} did not answer a liveness ping within {self.ping_timeout_s:g}s: frozen or wedged, "
                     "but alive, so it cannot be excluded." if silent else
-                    " Every worker answers, so the failure is not a lost engine.")
+                    " Every worker answers, so the failure is not a lost engine.") + stalled
             raise NoAbsentShard(
                 f"refit {failure.phase} failed ({failure}) and no generation shard could be identified as "
                 f"absent.{hint} Nothing was rebuilt; fix or restart that worker (then replace_shard) and sync again.",
@@ -1033,6 +1084,16 @@ class CollectiveWeightSynchronizer(_SynchronizerBase):
 
 
 _CONFIG_ERRORS = ("PlanError", "LayoutError", "ConfigError")
+
+
+# failures that a rebuild over fewer shards cannot fix: raised as they are
+_NOT_RECOVERABLE = (NoAbsentShard, RecoveryDeadlineExceeded, RefitTampered)
+
+
+def _cause(e: BaseException) -> BaseException:
+    """A worker's own exception: a Ray task error carries it as ``cause``."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
 
 
 def _raise_if_refused(failure: RefitWorkerError) -> None:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from refit.comm.group import StatelessProcessGroup, free_port
-from refit.errors import InconsistentWeights, LayoutError, PlanError, RefitError, TransportError
+from refit.comm.rendezvous import RendezvousTampered
+from refit.errors import InconsistentWeights, LateCall, LayoutError, PlanError, RefitError, TransportError
 from refit.layout import (
     DTensorRef,
     dtype_name,
@@ -129,6 +130,31 @@ class ConnectSpec:
     # authenticates every value of this build's rendezvous; new every build, and handed over
     # only through the controller's own channel to the worker (an actor call, a pipe)
     secret: bytes | None = field(default=None, repr=False)
+    # the controller's wall clock when it sent this call: a worker that starts it later than the
+    # rendezvous lasts abandons it (``LateCall``), and one that starts it late waits only what is left
+    sent_at: float | None = None
+    # binds this build's sealed values to it: with the epoch, what a value's MAC covers besides
+    # key and secret, so a value of another build under the same secret is refused
+    nonce: bytes = b""
+
+
+def call_deadline(sent_at: float | None, budget_s: float, what: str) -> float:
+    """The ``time.monotonic()`` deadline of a call the controller sent at ``sent_at`` (its
+    ``time.time()``) with ``budget_s`` to run; ``LateCall`` when that has already passed.
+
+    A worker answers one call at a time, so a call can start long after it was sent; counting
+    its budget from its start made a worker that was late once late for every build after.
+    The hosts' clocks are assumed to agree to well under a rendezvous timeout (NTP does); a
+    clock running behind the controller's only lengthens the wait to the full budget.
+    """
+    now = time.monotonic()
+    if sent_at is None:
+        return now + budget_s
+    lag = time.time() - sent_at
+    if lag > budget_s:
+        raise LateCall(f"{what} started {lag:.1f}s after the controller sent it, past its {budget_s:g}s budget: "
+                       "its peers have given up, so it is abandoned (this worker was busy, not frozen)")
+    return now + budget_s - max(lag, 0.0)
 
 
 class _OneShotCorruption:
@@ -335,11 +361,17 @@ class _RefitEndpoint:
 
         The whole call is bounded by ``spec.timeout_s``: a peer that dies during the
         rendezvous held the others in gloo's connect five times that long, and a worker
-        answers one call at a time, so the controller's recovery queued behind them.
+        answers one call at a time, so the controller's recovery queued behind them. A call
+        that starts past its budget (counted from ``spec.sent_at``), or for an older epoch
+        than this worker's, raises ``LateCall`` at once: it would wait out a rendezvous whose
+        peers are gone, and every later call would queue behind it.
         """
         st = self._refit_state()
         with st.lock:
-            deadline = time.monotonic() + spec.timeout_s
+            what = f"{spec.label or self._refit_label()} (rank {spec.rank}): connect of epoch {spec.epoch}"
+            if spec.epoch < st.epoch:
+                raise LateCall(f"{what} arrived after this worker joined epoch {st.epoch}: abandoned")
+            deadline = call_deadline(spec.sent_at, spec.timeout_s, what)
             self._refit_drop_group()
             st.spec, st.epoch, st.layouts, st.shards = spec, spec.epoch, {}, {}
             try:
@@ -349,11 +381,20 @@ class _RefitEndpoint:
                 # executor's binding all come from this one call
                 shards = {n: as_local_shard(n, v) for n, v in self._refit_tensors().items()}
                 device = self._refit_tensor_device(shards) if spec.backend == "nccl" else None
+                if time.monotonic() >= deadline:
+                    raise LateCall(f"{what}: its {spec.timeout_s:g}s rendezvous was over before this worker could "
+                                   "join (reading its tensors took that long); abandoned")
                 st.group = StatelessProcessGroup(
                     spec.address, spec.port, spec.rank, spec.world_size,
                     backend=spec.backend, timeout_s=spec.timeout_s, name=f"refit/{spec.epoch}", device=device,
                     secret=spec.secret, init_timeout_s=max(deadline - time.monotonic(), 0.1),
+                    binding=f"refit/{spec.epoch}".encode() + b"\0" + spec.nonce if spec.nonce else None,
                 )
+            except RendezvousTampered as e:
+                raise RendezvousTampered(f"{self._refit_label()}: the rendezvous of epoch {spec.epoch} was tampered "
+                                         f"with: {e}", key=e.key, rank=spec.rank) from None
+            except LateCall:
+                raise
             except Exception as e:
                 raise TransportError(f"{self._refit_label()}: could not join the refit communicator "
                                      f"(epoch {spec.epoch}, world {spec.world_size}): {e}") from None
@@ -498,20 +539,30 @@ class _RefitEndpoint:
                 return
             st.one_sided.update_membership(roster, epoch)
 
-    def refit_transfer(self, epoch: int, *, timeout_s: float | None, verify: bool = True) -> dict:
+    def refit_transfer(self, epoch: int, *, timeout_s: float | None, verify: bool = True,
+                       sent_at: float | None = None) -> dict:
         """Move this rank's share of the weights under the refit watchdog; report checksums.
 
         On any failure the communicator is dropped at once (it is unusable anyway), which
         releases peers blocked on this rank, and a ``RefitAborted`` (deadline) or
         ``TransportError`` naming this rank is raised without the broken group attached.
+        ``sent_at`` (the controller's ``time.time()``) counts ``timeout_s`` from when the call
+        was sent: a call that starts past it raises ``LateCall`` before a byte can land.
         """
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_transfer")
+            if timeout_s is not None:
+                what = f"{self._refit_label()}: the transfer of epoch {epoch}"
+                timeout_s = max(call_deadline(sent_at, timeout_s, what) - time.monotonic(), 0.0)
             self._refit_transfer_starts(epoch)
             failure: tuple[type, str] | None = None
+            tampered: RendezvousTampered | None = None
             try:
                 stats = self._refit_run(timeout_s, verify)
+            except RendezvousTampered as e:
+                tampered = e
+                failure = (RendezvousTampered, str(e))
             except Exception as e:  # noqa: BLE001 - re-raised below, without the broken group
                 failure = (RefitAborted if isinstance(e, RefitAborted) else TransportError,
                            f"{type(e).__name__}: {_first_line(e)}")
@@ -526,6 +577,9 @@ class _RefitEndpoint:
             self._refit_drop_group(collect=True)
             cls, msg = failure
             self._refit_transfer_failed(epoch, msg)
+            if tampered is not None:
+                raise RendezvousTampered(f"{self._refit_label()}: refit transfer failed (epoch {epoch}): {msg}",
+                                         key=tampered.key, rank=st.spec.rank if st.spec else None)
             raise cls(f"{self._refit_label()}: refit transfer failed (epoch {epoch}): {msg}")
 
     def _refit_run(self, timeout_s: float | None, verify: bool) -> TransferStats:

@@ -28,9 +28,9 @@ class DoomedEngine(SyntheticEngine):
         self.doomed_at = self.transfers + nth
         self.past_watchdog_s = past_watchdog_s
 
-    def refit_transfer(self, epoch, *, timeout_s, verify=True):
+    def refit_transfer(self, epoch, *, timeout_s, verify=True, sent_at=None):
         self.watchdog_s = timeout_s
-        return super().refit_transfer(epoch, timeout_s=timeout_s, verify=verify)
+        return super().refit_transfer(epoch, timeout_s=timeout_s, verify=verify, sent_at=sent_at)
 
     def on_refit_start(self) -> None:
         self.transfers += 1

@@ -80,7 +80,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refit.comm import wire
 from refit.comm.base import free_port
-from refit.comm.rendezvous import OpenStore, SealedStore, bind_listener, resolve_secret
+from refit.comm.rendezvous import OpenStore, RendezvousTampered, SealedStore, bind_listener, resolve_secret
 from refit.control.errors import RefitWorkerError
 from refit.control.verify import verify_checksums
 from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
@@ -142,6 +142,7 @@ class RefitInitInfo(WeightTransferInitInfo):
     epoch: int = 1
     port: int = 0  # where the first build's communicator meets
     nonce: str = ""
+    hub_nonce: str = ""  # hex: binds the hub's values to this init (drawn by trainer rank 0)
 
 
 @dataclass
@@ -273,6 +274,7 @@ def _closed_key(step: int) -> str:
 
 
 _CALLS = "refit-api/calls"
+_HUB_NONCE_KEY = "refit-api/hub-nonce"
 
 
 class _HubLost(RefitError):
@@ -290,7 +292,8 @@ class _Hub:
     are sealed with the caller's secret and decoded as data only, as in every refit store.
     """
 
-    def __init__(self, address: str, port: int, *, host: bool, secret: bytes | None, deadline: float):
+    def __init__(self, address: str, port: int, *, host: bool, secret: bytes | None, deadline: float,
+                 nonce: bytes | None = None):
         listener = bind_listener(address, port) if host else None
         try:
             extra = {"master_listen_fd": listener.fileno()} if listener is not None else {}
@@ -306,7 +309,35 @@ class _Hub:
                                    timed_out=[] if host else [HUB_HOST]) from None
         if listener is not None:
             listener.detach()  # the store owns the socket now
-        self.store: SealedStore | None = SealedStore(tcp, secret) if secret is not None else OpenStore(tcp)
+        self.nonce = nonce or b""
+        self.store: SealedStore | None = OpenStore(tcp)
+        if secret is not None:
+            self.store = self._bound(tcp, secret, host, nonce, deadline)
+
+    @staticmethod
+    def _bound(tcp: dist.Store, secret: bytes, host: bool, nonce: bytes | None, deadline: float) -> SealedStore:
+        """The hub's store with its values bound to this init: a nonce trainer rank 0 draws.
+
+        The hub outlives builds and its port and secret stay the same over a re-init, so a
+        value recorded from an earlier init (an old announcement of where a build meets)
+        would verify again; bound to the nonce, it does not. vLLM workers get the nonce
+        with their init info; other trainer ranks read it here.
+        """
+        boot = SealedStore(tcp, secret, b"refit hub")
+        if host:
+            if tcp.check([_HUB_NONCE_KEY]):
+                raise RendezvousTampered(f"the hub's key {_HUB_NONCE_KEY!r} held a value before its host wrote "
+                                         "one: something else writes to this port", key=_HUB_NONCE_KEY, rank=0)
+            nonce = secrets.token_bytes(16)
+            boot.set(_HUB_NONCE_KEY, nonce)
+        elif not nonce:
+            while not tcp.check([_HUB_NONCE_KEY]):
+                if time.monotonic() >= deadline:
+                    raise RefitWorkerError(f"refit weight transfer: {HUB_HOST} published no hub nonce in time",
+                                           phase="init", timed_out=[HUB_HOST])
+                time.sleep(0.02)
+            nonce = boot.get(_HUB_NONCE_KEY)
+        return SealedStore(tcp, secret, b"refit hub\0" + nonce)
 
     def _live(self) -> SealedStore:
         if self.store is None:
@@ -324,6 +355,8 @@ class _Hub:
     def read(self, key: str) -> Any:
         try:
             return wire.unpack(self._live().get(key))
+        except RendezvousTampered:
+            raise
         except Exception as e:  # noqa: BLE001
             raise _HubLost(_first_line(e)) from None
 
@@ -503,7 +536,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                                            device=self.device, receive_mode=init_info.receive_mode,
                                            quantized=self.model_config.quantization is not None)
         secret = resolve_secret(init_info.secret)
-        hub = _Hub(init_info.master_address, init_info.master_port, host=False, secret=secret, deadline=deadline)
+        hub = _Hub(init_info.master_address, init_info.master_port, host=False, secret=secret, deadline=deadline,
+                   nonce=bytes.fromhex(init_info.hub_nonce) if init_info.hub_nonce else None)
         seat = _Seat(first + tp_rank, init_info.world_size, init_info.rank_offset, mesh_offset=first, mesh_size=tp)
         self.party = _Party(self.endpoint, hub, seat, address=init_info.master_address, secret=secret,
                             timeout_s=init_info.timeout_s, bucket_bytes=init_info.bucket_bytes,
@@ -589,7 +623,9 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         engine.world_size = info.trainer_world_size + info.engine_world_size
         engine.endpoint = _SourceEndpoint(source)
         engine.steps = 0
-        engine.epochs = 0  # the last epoch trainer rank 0 announced
+        # the last epoch trainer rank 0 announced: every init counts from a base of its own, so no two
+        # inits of one engine (which share the hub's port and the caller's secret) ever reuse an epoch
+        engine.epochs = secrets.randbits(40) << 20
         engine.engines_failed = False  # vLLM failed or did not answer the last call: rebuild the next
         engine.remote = None  # the thread of a call vLLM has not answered yet
         secret = resolve_secret(info.secret)
@@ -611,7 +647,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             worker_info = RefitInitInfo(info.master_address, info.master_port, info.trainer_world_size,
                                         self.world_size, info.timeout_s, info.bucket_bytes, info.verify,
                                         info.receive_mode, info.secret, epoch=build.epoch, port=build.port,
-                                        nonce=build.nonce)
+                                        nonce=build.nonce, hub_nonce=hub.nonce.hex())
             try:
                 self._with_engines(0, [lambda: self.client.init_weight_transfer_engine(asdict(worker_info))],
                                    lambda: self.party.run(0, build, transfer=False, deadline=deadline), deadline)
