@@ -44,6 +44,7 @@ from refit.comm.rendezvous import (
     local_address_towards,
     resolve_secret,
 )
+from refit.comm.store import ProvenStore, StoreServer
 from refit.errors import RefitError, TransportError
 
 log = logging.getLogger(__name__)
@@ -183,13 +184,13 @@ class StatelessProcessGroup:
         self.init_timeout_s = init_timeout_s if init_timeout_s is not None else min(timeout_s, 120.0)
         if binding is None:  # what tells this build from another on the same secret, without a nonce
             binding = f"{name}\0{master_address}:{port}\0{world_size}".encode()
-        self._connect(resolve_secret(secret), bytes(binding), time.monotonic() + self.init_timeout_s)
-        if backend == "nccl":
-            try:
+        try:
+            self._connect(resolve_secret(secret), bytes(binding), time.monotonic() + self.init_timeout_s)
+            if backend == "nccl":
                 self.init_nccl_communicator(device, peer=peer)
-            except BaseException:
-                self.abort()
-                raise
+        except BaseException:
+            self.abort()  # nothing of a failed build stays listening
+            raise
 
     def _init_state(self, name: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         self.name = name
@@ -208,12 +209,22 @@ class StatelessProcessGroup:
         self._pg = None
         self._nccl = None
         self.store: SealedStore | None = None
+        self._store_server: StoreServer | None = None  # rank 0 of a group with a secret hosts it
+        self._store_client: ProvenStore | None = None
         self.authenticated = False
 
     def _connect(self, secret: bytes | None, binding: bytes, deadline: float) -> None:
-        """The store, then gloo, both within ``deadline`` (``time.monotonic()``)."""
+        """The store, then gloo, both within ``deadline`` (``time.monotonic()``).
+
+        With a secret the store is refit's own (``refit.comm.store``): only a rank that proves
+        the secret gets in, and what it may store is bounded. vLLM's NCCL peers join with
+        torch's own store client, so a group for them keeps torch's ``TCPStore``.
+        """
         hosting = self.rank == 0
         listener = bind_listener(self.master_address, self.port) if hosting else None
+        if secret is not None and self.peer != "vllm":
+            self._connect_proven(listener, secret, binding, deadline)
+            return
         try:
             extra = {"master_listen_fd": listener.fileno()} if hosting else {}
             # A client retries its connect for the store's whole timeout: bounded by the connect
@@ -242,6 +253,44 @@ class StatelessProcessGroup:
         else:
             self.store.set_timeout(timedelta(seconds=self.timeout_s))
 
+    def _connect_proven(self, listener, secret: bytes, binding: bytes, deadline: float) -> None:
+        if listener is not None:
+            self._store_server = StoreServer(listener, secret, binding, self.world_size)
+        try:
+            client = ProvenStore(self.master_address, self.port, secret, binding,
+                                 timeout=timedelta(seconds=max(min(self.timeout_s, deadline - time.monotonic()), 0.1)))
+        except RendezvousTampered as e:
+            self._close_store()
+            raise RendezvousTampered(f"StatelessProcessGroup rank {self.rank}/{self.world_size}: {e}", key=e.key,
+                                     rank=self.rank) from None
+        except Exception as e:
+            self._close_store()
+            raise RefitError(f"StatelessProcessGroup rank {self.rank}/{self.world_size}: cannot "
+                             f"{'host' if listener is not None else 'reach'} the rendezvous store at "
+                             f"{self.master_address}:{self.port}: {e}") from e
+        self._store_client = client
+        self.store = SealedStore(client, secret, binding)
+        self.authenticated = True
+        if self.backend == "gloo":
+            self._connect_gloo(deadline)
+        else:
+            self.store.set_timeout(timedelta(seconds=self.timeout_s))
+
+    def _check_store_server(self) -> None:
+        """On the store's host: ``RendezvousTampered`` once the store has seen a stranger or a flood."""
+        server = self._store_server
+        if server is not None and server.tampered is not None:
+            raise RendezvousTampered(f"StatelessProcessGroup rank {self.rank}/{self.world_size} (the store's host): "
+                                     f"{server.tampered}; refusing the build", rank=self.rank)
+
+    def _close_store(self) -> None:
+        client, self._store_client = self._store_client, None
+        if client is not None:
+            client.close()
+        server, self._store_server = self._store_server, None
+        if server is not None:
+            server.close()
+
     def _connect_gloo(self, deadline: float) -> None:
         """Build the gloo group, giving up at ``deadline`` even if a peer dies half-way through.
 
@@ -255,6 +304,7 @@ class StatelessProcessGroup:
         arrived = [f"{self.name}/arrived/{r}" for r in range(self.world_size)]
         self.store.set(arrived[self.rank], b"1")
         while True:
+            self._check_store_server()
             try:
                 if self.store.check(arrived):
                     break
@@ -286,6 +336,7 @@ class StatelessProcessGroup:
         what reaches Python then is only that its rendezvous failed; the store remembers
         which key held the forged value.
         """
+        self._check_store_server()
         key = getattr(self.store, "tampered", None)
         if key is not None:
             raise RendezvousTampered(
@@ -657,6 +708,8 @@ class StatelessProcessGroup:
             except Exception:  # noqa: BLE001
                 log.debug("process group abort raised", exc_info=True)
         self.store = None
+        if self.parent_ranks is None:  # a split child shares its parent's store
+            self._close_store()
 
     shutdown = abort
 

@@ -35,6 +35,9 @@ from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 __all__ = ["run_chaos"]
 
 MODES = ("rebuild", "transfer", "recovery", "retry", "third")  # where the kills land (see the module's docstring)
+# how often each mode is drawn: a kill inside a rendezvous (a rebuild, the rebuild of a recovery)
+# is where a fleet is most fragile, so about a third of the kills land in one
+MODE_WEIGHTS = {"rebuild": 2, "transfer": 1, "recovery": 2, "retry": 1, "third": 1}
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,9 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1, 1), t
                 es[s] = fut.result()
                 sync.replace_shard(s, es[s])
             pending_heal = {}
-            mode = rng.choice([m for m in MODES if (m != "rebuild" or healed)  # a rebuild needs a re-admission
-                               and (m != "third" or len(sizes) >= 4)])  # one shard left after three kills
+            modes = [m for m in MODES if (m != "rebuild" or healed)  # a rebuild needs a re-admission
+                     and (m != "third" or len(sizes) >= 4)]  # one shard left after three kills
+            mode = rng.choices(modes, weights=[MODE_WEIGHTS[m] for m in modes])[0]
             workers = [(s, w) for s, n in enumerate(sizes) for w in range(n)]
             targets = [rng.choice(workers)]
             for _ in range({"recovery": 1, "retry": 1, "third": 2}.get(mode, 0)):  # each in a shard not yet hit
@@ -294,6 +298,8 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1, 1), t
             h.close()
         fig["processes_before"] = processes_before
         fig["processes_after"] = len(_descendants(os.getpid()))
+        in_rendezvous = sum(n for phase, n in fig["kills_by_phase"].items() if phase in ("build", "recover"))
+        fig["rendezvous_kill_share"] = round(in_rendezvous / max(fig["kills"], 1), 3)
         fig["max_error_s"] = round(fig["max_error_s"], 3)
         fig["max_verified_s"] = round(fig["max_verified_s"], 3)
         return fig
