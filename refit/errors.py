@@ -42,3 +42,8 @@ class InconsistentWeights(RefitError, RuntimeError):
     way) and did not complete: some params are new, some old, some half of each. Serving
     them would look like a model and be none; the engine refuses until a refit completes.
     """
+
+
+class CastOverflowWarning(UserWarning):
+    """Source values beyond their destination dtype's range were cast anyway (they land as inf,
+    NaN or wrapped); pass ``strict_casts=True`` to refuse such a transfer instead."""
