@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -1080,7 +1081,7 @@ def _check_settings(*, refit_timeout_s, ping_timeout_s, grace_s, connect_timeout
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise RefitError(f"{name} must be a finite number of seconds > 0{' or None' if optional else ''}, "
                              f"got {value!r}")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
         raise RefitError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
 
 

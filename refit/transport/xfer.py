@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import numbers
 import time
 import weakref
 from collections import defaultdict
@@ -462,9 +463,9 @@ class Resharder:
         entries, local_shapes, settings, error = [], {"src": {}, "dst": {}}, None, None
         src, dst = dict(src or {}), dict(dst or {})
         try:
-            if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
                 raise PlanError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
-            if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1:
                 raise PlanError(f"depth must be a positive number of rounds, got {depth!r}")
             settings = RankSettings(bucket_bytes, finite_seconds(timeout_s, "timeout_s"),
                                     _flag(strict_casts, "strict_casts"))
