@@ -53,3 +53,7 @@ class LateCall(TransportError):
     frozen or dead.
     """
 
+
+class CastOverflowWarning(UserWarning):
+    """Source values beyond their destination dtype's range were cast anyway (they land as inf,
+    NaN or wrapped); pass ``strict_casts=True`` to refuse such a transfer instead."""

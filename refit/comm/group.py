@@ -498,20 +498,53 @@ class StatelessProcessGroup:
         payload = wire.pack(obj)  # before the sequence moves: a value that is not data fails alone
         self._seq += 1
         prefix = f"{self.name}/ago/{self._seq}"
-        self.store.set(f"{prefix}/{self.rank}", payload)
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
+            self.store.set(keys[self.rank], payload)
             values = self.store.multi_get(keys)
         except RendezvousTampered as e:
             raise RendezvousTampered(f"all_gather_object rank {self.rank}: {e}", key=e.key, rank=self.rank) from None
         except Exception as e:
-            raise TransportError(
-                f"all_gather_object rank {self.rank}: a peer did not publish within {self.timeout_s}s: {e}"
-            ) from e
-        if self.store.add(f"{prefix}/read", 1) == self.world_size:
-            for k in keys + [f"{prefix}/read"]:
-                self.store.delete_key(k)
+            raise self.store_failure("all_gather_object", e) from e
+        try:
+            if self.store.add(f"{prefix}/read", 1) == self.world_size:
+                for k in keys + [f"{prefix}/read"]:
+                    self.store.delete_key(k)
+        except Exception:  # noqa: BLE001 - every value was read: the store's host may have gone since, its keys with it
+            pass
         return [wire.unpack(v) for v in values]
+
+    def store_failure(self, what: str, e: BaseException) -> TransportError:
+        """A refit error for a failed call to the store, naming its host when the store is gone.
+
+        Rank 0 hosts the store: once it has raised on bad input and its process exited, the
+        others' next call fails with torch's own network error, which named neither the rank
+        nor the store. A timeout says that a peer did not publish; anything else that the
+        store is unreachable.
+        """
+        host = "rank 0" if self.parent_ranks is None else f"rank {self.parent_ranks[0]} of the parent group"
+        if isinstance(e, dist.DistStoreError) and "timeout" in str(e).lower():
+            why = f"a peer did not publish within {self.timeout_s:g}s"
+        else:
+            why = (f"the store at {self.master_address}:{self.port} is gone: {host}, which hosts it, "
+                   "exited or closed its group")
+        text = str(e).strip().splitlines()
+        return TransportError(f"{what} rank {self.rank}: {why} ({type(e).__name__}: {text[0] if text else ''})")
+
+    def confirm(self) -> None:
+        """Return once every rank of this group has called it (after a transfer: every rank finished).
+
+        Over gloo, an all-reduce of one element: a peer that died fails it at once, since
+        its pairs are closed, and a live one that is late is waited for until the deadline;
+        through the store, a peer that died is only seen at the store's timeout. A transfer
+        without it let ranks that had sent their part report success while a receiver died.
+        """
+        if self._aborted.is_set():
+            raise GroupAborted(f"confirm on an aborted communicator (rank {self.rank})")
+        if self._pg is None:
+            self.barrier()
+            return
+        self.wait(self._pg.allreduce([torch.zeros(1, dtype=torch.int32)]))
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         return self.all_gather_object(obj if self.rank == src else None)[src]
@@ -795,6 +828,11 @@ class TorchGroupComm:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def confirm(self) -> None:
+        """Return once every rank of the group has called it; waits end at the deadline."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.stream_ordered else torch.device("cpu")
+        self.wait(dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=device), group=self.group, async_op=True))
 
     def abort(self) -> None:
         self._aborted.set()

@@ -93,12 +93,16 @@ class EveryShardLost(NoSurvivingShards, RefitWorkerError):
 
 
 class RefitRefused(RefitWorkerError):
-    """Workers refused the refit's layouts or settings before any byte moved.
+    """Workers refused the refit's layouts, settings or tensors.
 
-    Every failing worker raised a configuration error (``PlanError``, ``LayoutError``,
-    ``ConfigError``) while connecting or preparing, and none died or froze: the input is
-    wrong, not an engine lost, so nothing is excluded, rebuilt or retried; reported as a
-    lost engine (``NoAbsentShard``), it sent users looking for a frozen one.
+    A failing worker raised a configuration error (``PlanError``, ``LayoutError``,
+    ``ConfigError``) while connecting, preparing, or at the start of a transfer (an engine
+    whose tensor changed shape since the build), and none died or froze: the input is wrong,
+    not an engine lost, so nothing is excluded, rebuilt or retried. The refusing worker heads
+    the error even when its peers' failures (a transfer it left, a rendezvous it broke) came
+    first: read as lost engines, they made a ``NoAbsentShard`` that blamed a trainer.
+    Refused while connecting or preparing, nothing moved; at a transfer, the other ranks'
+    bytes may have landed (``inconsistent`` names the engines left torn).
     """
 
 

@@ -36,6 +36,8 @@ class SyncResult:
     left out after its transfer started); they refuse to serve until a refit completes.
     ``recoveries`` counts the rebuilds over fewer shards that ended in the verified transfer
     (one per retried transfer), and ``lost`` names every worker the sync found dead on the way.
+    ``cast_overflows`` names each trainer value beyond the range of its destination's dtype
+    (``strict_casts`` refuses them instead).
     """
 
     step: int
@@ -55,6 +57,8 @@ class SyncResult:
     failure: str | None = None
     inconsistent: list[str] = field(default_factory=list)  # after a recovery: engine workers left torn
     version: int | None = None  # the weights version the engines serve after this refit
+    # trainer values beyond the range of their engine's dtype, cast anyway ("<trainer>: <param>: ..."), one a line
+    cast_overflows: list[str] = field(default_factory=list)
     events: list[SyncEvent] = field(default_factory=list)
 
 

@@ -10,8 +10,11 @@ what happens when someone leaves exists once.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -29,7 +32,7 @@ from refit.control.errors import (
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import brief, settle_before_propagating, wait_any
 from refit.control.verify import verify_checksums
-from refit.errors import LateCall, PlanError, RefitError
+from refit.errors import CastOverflowWarning, LateCall, PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.runtime.endpoint import ConnectSpec
@@ -207,8 +210,8 @@ class _SynchronizerBase:
             raise RefitError("a synchronizer needs at least one trainer rank")
         if not engines or any(len(s) == 0 for s in engines):
             raise RefitError("a synchronizer needs at least one generation shard, each with at least one worker")
-        if refit_timeout_s is not None and refit_timeout_s <= 0:
-            raise RefitError(f"refit_timeout_s must be positive or None, got {refit_timeout_s!r}")
+        _check_settings(refit_timeout_s=refit_timeout_s, ping_timeout_s=ping_timeout_s, grace_s=grace_s,
+                        connect_timeout_s=connect_timeout_s, bucket_bytes=bucket_bytes)
         if transport not in (None, "auto", *ONE_SIDED):
             raise RefitError(f"transport must be None, 'auto', 'nixl' or 'ipc', got {transport!r}")
         if transport in (*ONE_SIDED, "auto") and self.mode != "reshard":
@@ -257,6 +260,7 @@ class _SynchronizerBase:
         self._suspects: dict[int, Any] = {}  # id(handle) -> handle
         self.weights_version = 0  # the version the last committed refit gave the engines' weights
         self._next_version: int | None = None
+        self._strict_casts = False  # the sync in progress refuses values beyond their destination's range
 
     @classmethod
     def from_fleet(cls, fleet: Any, **kwargs: Any):
@@ -443,6 +447,8 @@ class _SynchronizerBase:
                 if m.label not in failures and (m.worker.is_dead() or (p.done() and _died(p))):
                     died.append(m.label)
                     failures[m.label] = f"WorkerDied: {m.label} died"
+                elif m.label not in failures and p.done() and (refused := _config_failure(p)) is not None:
+                    failures[m.label] = refused  # a refusal is a cause, never one straggler's echo of it
             timed_out = [m.label for m, p in pending.items() if not p.done() and m.label not in failures]
             self._abandoned += [p for p in pending.values() if not p.done()]
             if not failures and not timed_out:
@@ -666,7 +672,7 @@ class _SynchronizerBase:
         settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
 
     # -- sync --------------------------------------------------------------------------------
-    def sync_weights(self, version: int | None = None) -> SyncResult:
+    def sync_weights(self, version: int | None = None, *, strict_casts: bool = False) -> SyncResult:
         """Move the weights, verify them, tell the engines; recover from lost shards.
 
         A transfer (or rebuild, or commit) that loses engine workers is settled, their shards
@@ -693,7 +699,17 @@ class _SynchronizerBase:
         across synchronizers over the same engines; a trainer may pass its step instead (a
         ``version`` below that default is raised to it: an engine's version never goes back).
 
+        Casts (``docs/architecture.md``): a trainer value beyond the range of its engine's
+        narrower dtype (it would land as inf, NaN, clamped or wrapped) is listed in
+        ``SyncResult.cast_overflows`` with a ``CastOverflowWarning``; ``strict_casts`` asks the
+        trainers before the transfer instead and raises ``PlanError`` naming them, before any
+        byte moves.
+
         Raises:
+            RefitRefused: a worker refused its layouts or its tensors (one changed shape since the
+                build, say): named, with its own error, not the peers that failed because of it.
+            PlanError: the rosters do not merge (a lossy cast included: complex to real, floating
+                point to integer), or, with ``strict_casts``, a value does not fit its destination.
             RefitVerificationError: bytes arrived corrupted (names the shards and params).
             NoAbsentShard: a worker failed or froze but none is dead, so nothing can be excluded.
             NoSurvivingShards: every generation shard is gone (``EveryShardLost`` when this sync
@@ -705,8 +721,11 @@ class _SynchronizerBase:
         ``died``), not only the last round's: each is a shard to replace.
         """
         self._check_open()
+        if not isinstance(strict_casts, bool):
+            raise RefitError(f"strict_casts must be True or False, got {strict_casts!r}")
         self._steps += 1
         self._next_version = version
+        self._strict_casts = strict_casts
         rec = self._rec = Recorder(self._steps, self.on_phase)
         try:
             result = self._sync(rec)
@@ -842,6 +861,9 @@ class _SynchronizerBase:
         engines = [m for m in members if m.shard is not None]
         if self._limits is not None:
             self._limits.seen.update({m.label: m.worker for m in members})
+        if self._strict_casts:
+            with rec.phase("casts"):
+                self._refuse_overflows([m for m in members if m.shard is None])
         self._suspects.update({id(m.worker): m.worker for m in engines})  # before a byte can land
         with rec.phase("transfer"):
             t0 = time.monotonic()
@@ -862,6 +884,9 @@ class _SynchronizerBase:
         res.transfer_s = transfer_s
         res.bytes = sum(r["bytes_received"] for r in reports.values())
         res.gbps = res.bytes / transfer_s / 1e9 if transfer_s > 0 else 0.0
+        res.cast_overflows = [f"{m.label}: {line}" for m, r in reports.items() for line in r.get("cast_overflows", ())]
+        for line in res.cast_overflows:
+            warnings.warn(line, CastOverflowWarning, stacklevel=4)
         if self.verify:
             with rec.phase("verify"):
                 self._verify(reports)
@@ -884,6 +909,16 @@ class _SynchronizerBase:
         self._next_version = None
         for m in engines:
             self._suspects.pop(id(m.worker), None)
+
+    def _refuse_overflows(self, trainers: Sequence[_Member]) -> None:
+        """``strict_casts``: ask every trainer for its values beyond their destination's range, and
+        raise ``PlanError`` naming them before the transfer, which would only report them."""
+        found = self._round("cast check", self._call_all(trainers, "refit_cast_overflows", self._epoch),
+                            self._round_timeout_s())
+        lines = [f"{m.label}: {line}" for m, got in found.items() for line in got]
+        if lines:
+            raise PlanError("strict_casts: trainer values do not fit their engines' dtype, so nothing was moved: "
+                            + "; ".join(lines))
 
     def _recover(self, failure: RefitWorkerError, rec: Recorder) -> None:
         """The failed round is already settled: find the dead, exclude their shards, rebuild.
@@ -1096,15 +1131,47 @@ def _cause(e: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else e
 
 
+def _check_settings(*, refit_timeout_s, ping_timeout_s, grace_s, connect_timeout_s, bucket_bytes) -> None:
+    """Every time a finite number of seconds > 0 (the two deadlines may be None), and the bucket
+    size a positive number of bytes: an infinite timeout was taken, and overflowed only inside a
+    worker's wait, once the transfer had started on the others."""
+    for name, value, optional in (("refit_timeout_s", refit_timeout_s, True), ("ping_timeout_s", ping_timeout_s, False),
+                                  ("grace_s", grace_s, False), ("connect_timeout_s", connect_timeout_s, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise RefitError(f"{name} must be a finite number of seconds > 0{' or None' if optional else ''}, "
+                             f"got {value!r}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
+        raise RefitError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+
+
+def _config_failure(p: Any) -> str | None:
+    """What a finished call raised, when it is a configuration error (its ``brief``), else None."""
+    try:
+        p.result(0)
+    except Exception as e:  # noqa: BLE001 - only read here
+        text = brief(e)
+        return text if text.split(":", 1)[0] in _CONFIG_ERRORS else None
+    return None
+
+
 def _raise_if_refused(failure: RefitWorkerError) -> None:
-    """Raise ``RefitRefused`` when every failure of a connect or prepare round was a
-    configuration error and no worker died or froze: recovering would only fail the same way."""
-    if failure.phase not in ("connect", "prepare") or failure.died or failure.timed_out or not failure.failures:
+    """Raise ``RefitRefused`` when a connect, prepare or transfer round failed on a configuration
+    error and no worker died or froze: recovering would only fail the same way.
+
+    The workers that failed beside it (a transfer's peers, a rendezvous left behind) failed
+    because of it: the refusal heads the error, rather than the peer whose failure happened to
+    be seen first (a trainer whose receiver refused is not an absent shard)."""
+    if (failure.phase not in ("connect", "prepare", "transfer") or failure.died or failure.timed_out
+            or not failure.failures):
         return
-    if not all(text.split(":", 1)[0] in _CONFIG_ERRORS for text in failure.failures.values()):
+    refused = {label: text for label, text in failure.failures.items() if text.split(":", 1)[0] in _CONFIG_ERRORS}
+    if not refused:
         return
-    (label, text), *others = failure.failures.items()
+    (label, text), *others = refused.items()
     more = f" (and by {', '.join(w for w, _ in others)})" if others else ""
+    moved = ("the other ranks' bytes may have landed; nothing was excluded or rebuilt, and the next sync rebuilds"
+             if failure.phase == "transfer" else "nothing was moved, excluded or rebuilt")
     raise RefitRefused(f"refit {failure.phase} refused by {label}{more}: {text}. A configuration error, not a lost "
-                       "engine: nothing was moved, excluded or rebuilt", phase=failure.phase,
-                       failures=failure.failures) from failure
+                       f"engine: {moved}", phase=failure.phase, failures=failure.failures) from failure

@@ -39,6 +39,7 @@ from refit.layout import (
     validate_layout,
 )
 from refit.plan.buckets import wire_dtype
+from refit.plan.casts import check_casts
 from refit.plan.quant import scale_placements
 
 _MESH_COORDS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
@@ -454,8 +455,9 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], wo
     (one per param; grouped here first). Raises ``PlanError`` / ``LayoutError`` naming the
     param and the ranks for: a destination that no source holds, a shape mismatch,
     placements that do not fit the mesh, a mesh rank outside the group, a rank listed
-    twice, a mesh rank that did not report the param, and a rank in two destination
-    layouts of one param.
+    twice, a mesh rank that did not report the param, a rank in two destination
+    layouts of one param, and a destination dtype that a cast would lose information into
+    (``refit.plan.casts``: complex to real, floating point to integer).
 
     The work follows the distinct groups, not the ranks times their params: each group's
     names are read once, and params that share every group (the layers of a stage, the
@@ -520,6 +522,8 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], wo
         src, dsts = _signature_layouts(groups, min(names))
         if src is None:
             continue
+        if any(d.dtype != src.dtype for d in dsts):
+            check_casts(names, src.dtype, src.mesh_ranks, [(d.dtype, d.mesh_ranks) for d in dsts])
         k = len(sig_names)
         sig_names.append(names)
         for lay in (src, *dsts):

@@ -52,6 +52,7 @@ from refit.runtime.handles import listening_sockets
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
+from refit.transport.casts import find_overflows, narrowing_casts
 from refit.transport.factory import ONE_SIDED, make_executor
 from refit.transport.ipc import node_id
 from refit.transport.one_sided import RosterEntries
@@ -218,6 +219,8 @@ class _State:
     one_sided: Any = None
     across: Any = None  # transport="auto" with NIXL across nodes: the NixlTransport of the far pairs
     quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
+    # params this trainer rank sends into a destination dtype of smaller range -> those dtypes
+    narrowing: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # -- versions and staging (engines) --
     weights_version: int | None = None  # the version the live weights are; None until a refit commits one
     staging: Staging | None = None  # set by refit_configure_staging: transfers land beside the live weights
@@ -458,10 +461,13 @@ class _RefitEndpoint:
             local = {n: shard.tensor for n, shard in st.shards.items()}
             bound = {n: id(t) for n, t in local.items()}
             st.quantized = None
+            st.narrowing = {}
             if self._refit_role == "src":
                 # params an engine keeps in FP8 leave this rank quantized, with their scales
                 quantization = plan_quantization(index, rank, list(local), block=self.refit_fp8_block,
                                                  label=self._refit_label())
+                scaled = {op.name for op in quantization.ops} if quantization is not None else set()
+                st.narrowing = narrowing_casts(index, rank, [n for n in local if n not in scaled])
                 if quantization is not None:
                     st.quantized = QuantizedSources(quantization, local)
                     local = st.quantized.executor_tensors(local)
@@ -545,7 +551,10 @@ class _RefitEndpoint:
 
         On any failure the communicator is dropped at once (it is unusable anyway), which
         releases peers blocked on this rank, and a ``RefitAborted`` (deadline) or
-        ``TransportError`` naming this rank is raised without the broken group attached.
+        ``TransportError`` naming this rank is raised without the broken group attached; a
+        tensor of this rank that changed shape or dtype since the build raises its own
+        ``PlanError`` (naming this rank, the param, the old and the new shape), since it is the
+        cause, and the peers' failures only its effect.
         ``sent_at`` (the controller's ``time.time()``) counts ``timeout_s`` from when the call
         was sent: a call that starts past it raises ``LateCall`` before a byte can land.
         """
@@ -562,9 +571,16 @@ class _RefitEndpoint:
                 stats = self._refit_run(timeout_s, verify)
             except RendezvousTampered as e:
                 tampered = e
-                failure = (RendezvousTampered, str(e))
+                failure = (RendezvousTampered, f"{self._refit_label()}: refit transfer failed (epoch {epoch}): "
+                                               f"{_first_line(e)}")
+            except (PlanError, LayoutError) as e:
+                # this rank refused its own tensors (one changed shape or dtype since the build):
+                # the cause of the failure, which the controller must see as such, not as one
+                # more broken transfer among those it left behind on the other ranks
+                failure = (type(e), _first_line(e))
             except Exception as e:  # noqa: BLE001 - re-raised below, without the broken group
                 failure = (RefitAborted if isinstance(e, RefitAborted) else TransportError,
+                           f"{self._refit_label()}: refit transfer failed (epoch {epoch}): "
                            f"{type(e).__name__}: {_first_line(e)}")
             if failure is None:
                 self._refit_transfer_landed(epoch)
@@ -573,14 +589,14 @@ class _RefitEndpoint:
                     "local_bytes": stats.local_bytes, "seconds": stats.seconds,
                     "sent": dict(stats.checksums_sent), "received": dict(stats.checksums_received),
                     "quantize": stats.timing.get("quantize"),
+                    "cast_overflows": [str(o) for o in stats.cast_overflows],
                 }
             self._refit_drop_group(collect=True)
             cls, msg = failure
             self._refit_transfer_failed(epoch, msg)
             if tampered is not None:
-                raise RendezvousTampered(f"{self._refit_label()}: refit transfer failed (epoch {epoch}): {msg}",
-                                         key=tampered.key, rank=st.spec.rank if st.spec else None)
-            raise cls(f"{self._refit_label()}: refit transfer failed (epoch {epoch}): {msg}")
+                raise RendezvousTampered(msg, key=tampered.key, rank=st.spec.rank if st.spec else None)
+            raise cls(msg)
 
     def _refit_run(self, timeout_s: float | None, verify: bool) -> TransferStats:
         st = self._refit_state()
@@ -595,6 +611,7 @@ class _RefitEndpoint:
         with RefitAbortWatchdog(abortable, timeout_s):
             self.on_refit_start()
             src, dst = self._refit_sides(self._refit_local())
+            overflows = find_overflows(st.narrowing, src, st.spec.rank) if st.narrowing else []
             quantization = None
             if st.quantized is not None:  # the scales now, the FP8 weights as the executor reaches them
                 quantization = st.quantized.begin(src, st.group)
@@ -603,7 +620,22 @@ class _RefitEndpoint:
             stats = st.executor.run(src, dst, verify=verify, corrupt=fault, production=quantization)
             if quantization is not None:
                 stats.timing["quantize"] = quantization.report()
+            stats.cast_overflows = overflows
             return stats
+
+    def refit_cast_overflows(self, epoch: int) -> list[str]:
+        """This trainer rank's source values beyond the range of their destination dtype, one line each.
+
+        The controller asks before a transfer when the sync is strict about casts, so that an
+        overflow stops it before any byte moves (a transfer would only report it).
+        """
+        st = self._refit_state()
+        with st.lock:
+            self._refit_check_epoch(epoch, "refit_cast_overflows")
+            if not st.narrowing:
+                return []
+            src, _ = self._refit_sides(self._refit_local())
+            return [str(o) for o in find_overflows(st.narrowing, src, st.spec.rank)]
 
     def refit_prepare_commit(self, epoch: int) -> dict:
         """Phase one of the commit: say whether this rank can switch to the transfer of ``epoch``.

@@ -43,6 +43,8 @@ class TransferStats:
     timing: dict = field(default_factory=dict)  # streamed path with timing=True: host and CUDA-event marks
     checksums_sent: dict[tuple[int, int], int] = field(default_factory=dict)
     checksums_received: dict[tuple[int, int], int] = field(default_factory=dict)
+    # source values beyond their destination dtype's range, cast anyway (refit.transport.casts.CastOverflow)
+    cast_overflows: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

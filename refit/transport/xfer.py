@@ -19,8 +19,12 @@ Callers that move more than one tensor per call (``xferdtensor_fp8``) put one
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import math
+import numbers
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +53,14 @@ from refit.plan import (
 )
 from refit.transport.base import TransferStats, device_of
 from refit.transport.broadcast import BroadcastPlan
+from refit.transport.casts import (
+    CastOverflow,
+    find_overflows,
+    fits,
+    narrowing_casts,
+    raise_or_warn,
+    value_range,
+)
 from refit.transport.factory import make_executor
 
 PARAM = "tensor"
@@ -76,18 +88,70 @@ class LayoutView:
 
 
 @dataclass(frozen=True)
+class RankSettings:
+    """One rank's settings of a transfer, which every rank must pass alike (None: not a setting of this call)."""
+
+    bucket_bytes: int | None = None
+    timeout_s: float | None = None
+    strict_casts: bool | None = None
+
+
+# why every rank must pass the same value of each setting
+_SETTINGS_WHY = {
+    "bucket_bytes": "both ends of a pair cut the same buckets without talking, and a receiver that cuts others "
+                    "gets sizes it did not expect (gloo aborts the process)",
+    "timeout_s": "a rank that gives up first leaves the others blocked on it until their own timeout",
+    "strict_casts": "the ranks would disagree on whether a value beyond its destination's range stops the transfer",
+}
+
+
+@dataclass(frozen=True)
 class RankRecord:
-    """One rank's arguments to one tensor's transfer, as every rank compares them (None: not held / not read)."""
+    """One rank's arguments to one tensor's transfer, as every rank compares them (None: not held / not read).
+
+    ``src_range``: the smallest and largest finite value of this rank's source, held against the
+    destination dtype once every rank's record is in (``cast_overflows``)."""
 
     src: SideMeta | None
     dst: SideMeta | None
     src_view: LayoutView | None
     dst_view: LayoutView | None
     error: str | None
+    settings: RankSettings | None = None
+    src_range: tuple[float, float] | None = None
 
 
-for _cls in (SideMeta, LayoutView, RankRecord):
+@dataclass(frozen=True)
+class ResharderRecord:
+    """One rank's arguments to a ``Resharder``: its roster, its local shapes by role, its settings, its error."""
+
+    roster: list
+    local_shapes: dict
+    settings: RankSettings | None
+    error: str | None
+
+
+for _cls in (SideMeta, LayoutView, RankSettings, RankRecord, ResharderRecord):
     register_record(_cls)
+
+
+def check_settings(settings: Sequence[RankSettings | None], what: str) -> None:
+    """Raise ``PlanError`` on every rank, naming the setting and who passed what, when ranks disagree
+    on one (``settings[r]`` is rank r's; a rank whose settings could not be read raised already)."""
+    known = {r: s for r, s in enumerate(settings) if s is not None}
+    for f in dataclasses.fields(RankSettings):
+        check_agree(f"{what}: {f.name}", {r: getattr(s, f.name) for r, s in known.items()},
+                    f"every rank must pass the same {f.name}: {_SETTINGS_WHY[f.name]}")
+
+
+def finite_seconds(value: Any, name: str) -> float:
+    """``value`` as seconds when it is a finite number > 0; ``PlanError`` naming ``name`` otherwise.
+
+    An infinite timeout was taken, and failed only inside ``run`` (the deadline overflowed
+    the wait), after the other ranks had started."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -166,6 +230,7 @@ def check_records(records: Sequence[RankRecord], world_size: int, src_mesh, src_
     param's spec, or the same error on every rank (``records[r]`` is rank r's; the meshes and
     placements are this rank's, which every rank's view is checked to equal first)."""
     raise_local_errors([g.error for g in records])
+    check_settings([g.settings for g in records], "xferdtensor")
     for side in ("src", "dst"):
         names = sides[side]
         check_agree(f"{names.mesh} / {names.placement}",
@@ -210,11 +275,42 @@ def check_records(records: Sequence[RankRecord], world_size: int, src_mesh, src_
     return index, spec
 
 
-def _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement):
-    """Gather every rank's metadata, view of the layouts and local errors; merged rosters, or raise everywhere."""
+def cast_overflows(records: Sequence[RankRecord], spec, *, param: str = "src_tensor") -> list[CastOverflow]:
+    """Every source rank whose values (its record's ``src_range``) do not fit a destination dtype of
+    ``spec``, the same list on every rank."""
+    out = []
+    for r, g in enumerate(records):
+        if g.src is None or g.src_range is None:
+            continue
+        lo, hi = g.src_range
+        out += [CastOverflow(param, r, spec.src.dtype, d, lo, hi)
+                for d in sorted({lay.dtype for lay in spec.dsts}) if not fits(lo, hi, d)]
+    return out
+
+
+def _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, *,
+              strict_casts: bool = False):
+    """Gather every rank's metadata, view of the layouts, settings, source range and local errors;
+    the merged rosters and the cast overflows found, or raise everywhere."""
     mine = rank_record(comm.world_size, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
-    return check_records(comm.all_gather_object(mine), comm.world_size, src_mesh, src_placement, dst_mesh,
-                         dst_placement)
+    if mine.error is None:
+        try:
+            held = local_tensor_of(src_tensor) if src_tensor is not None else None
+            mine = dataclasses.replace(mine, settings=RankSettings(strict_casts=_flag(strict_casts, "strict_casts")),
+                                       src_range=value_range(held) if held is not None else None)
+        except (TypeError, RefitError) as e:
+            mine = RankRecord(None, None, None, None, str(e))
+    records = comm.all_gather_object(mine)
+    index, spec = check_records(records, comm.world_size, src_mesh, src_placement, dst_mesh, dst_placement)
+    overflows = cast_overflows(records, spec)
+    raise_or_warn(overflows, strict_casts, warn=any(o.rank == comm.rank for o in overflows))
+    return index, overflows
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise PlanError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _stream_ctx(stream):
@@ -223,26 +319,76 @@ def _stream_ctx(stream):
     return contextlib.nullcontext()
 
 
+_confirmations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # comm -> transfers it confirmed
+
+
+def confirm_finished(comm, what: str) -> None:
+    """Return once every rank of ``comm`` has finished its part of the transfer just run, or raise
+    ``TransportError`` naming the ranks that did not.
+
+    A rank's sends complete once the bytes left, so without this a rank whose receiver died
+    inside the transfer (gloo aborts a process that gets a size it did not expect) reported
+    success. Each rank notes in the store the transfer it finished (one key per rank,
+    overwritten), then all meet in ``comm.confirm()``; when that fails, the keys say who did
+    not finish.
+    """
+    count = _confirmations.get(comm, 0) + 1
+    _confirmations[comm] = count
+    store = getattr(comm, "store", None)
+    key = f"{getattr(comm, 'name', 'refit')}/finished/{{}}"
+    try:
+        if store is not None:
+            store.set(key.format(comm.rank), str(count).encode())
+        confirm = getattr(comm, "confirm", None)
+        confirm() if confirm is not None else comm.barrier()
+        return
+    except Exception as e:  # noqa: BLE001 - raised below, naming the ranks that did not finish
+        failure = _first_line(e)
+    missing = "some peer"
+    if store is not None:
+        done = str(count).encode()
+        try:
+            late = [r for r in range(comm.world_size) if r != comm.rank
+                    and not (store.check([key.format(r)]) and store.get(key.format(r)) == done)]
+            missing = f"rank(s) {late}" if late else missing
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            missing = "rank 0 (the store's host)"
+    raise TransportError(f"rank {comm.rank}: {what} finished here, but {missing} did not finish: {failure}")
+
+
 def run_checked(index, comm, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                 stream=None) -> TransferStats:
-    """Plan this rank's part of an index every rank has checked (``check_records``) and move its bytes."""
+    """Plan this rank's part of an index every rank has checked (``check_records``), move its bytes,
+    and confirm every rank finished (``confirm_finished``)."""
     plan = _plan_cache.get(index, comm.rank)
     with _stream_ctx(stream):
         with make_executor(plan, comm, device=device_of(src, dst)) as executor:
-            return executor.run(src, dst)
+            stats = executor.run(src, dst)
+    confirm_finished(comm, "the transfer")
+    return stats
 
 
-def xferdtensor(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group, stream=None):
+def xferdtensor(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group, stream=None,
+                *, strict_casts: bool = False):
     """Move ``src_tensor`` (sharded on ``src_mesh``) into ``dst_tensor`` (sharded on ``dst_mesh``).
 
     Shard to shard: each destination block comes from one source rank (replicas share
     the load), without a full gather. Returns this rank's ``TransferStats``.
+
+    A destination dtype that a cast would lose information into (complex to real, floating
+    point to integer) is refused on every rank. Source values beyond a narrower destination
+    dtype's range (they would land as inf, NaN, clamped or wrapped) are listed in
+    ``TransferStats.cast_overflows`` with a ``CastOverflowWarning`` on the source ranks; with
+    ``strict_casts`` every rank raises ``PlanError`` instead, before any byte moves.
     """
     comm = as_communicator(process_group)
-    index, _ = _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement)
+    index, overflows = _exchange(comm, src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement,
+                                 strict_casts=strict_casts)
     src = {PARAM: local_tensor_of(src_tensor)} if src_tensor is not None else {}
     dst = {PARAM: local_tensor_of(dst_tensor)} if dst_tensor is not None else {}
-    return run_checked(index, comm, src, dst, stream)
+    stats = run_checked(index, comm, src, dst, stream)
+    stats.cast_overflows = list(overflows)
+    return stats
 
 
 def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh, dst_placement, process_group):
@@ -265,6 +411,19 @@ def xferdtensor_golden(src_tensor, src_mesh, src_placement, dst_tensor, dst_mesh
 DEFAULT_TIMEOUT_S = 60.0
 
 
+def _entry(role: str, name: str, value: Any) -> tuple[Any, Any, Any]:
+    """``(tensor, mesh, placements)`` of one param of a ``Resharder``'s ``src`` or ``dst``, checked."""
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise PlanError(f"{role}[{name!r}]: expected (tensor, mesh, placements), got {type(value).__name__}")
+    t = value[0]
+    if t is None:
+        raise PlanError(f"{role}[{name!r}]: the tensor is None; a rank that holds or needs nothing of a param "
+                        f"leaves it out of {role}")
+    if not (hasattr(t, "shape") and hasattr(t, "dtype")):
+        raise PlanError(f"{role}[{name!r}]: expected a tensor, a DTensorRef or a DTensor, got {type(t).__name__}")
+    return value[0], value[1], value[2]
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
@@ -275,7 +434,10 @@ class Resharder:
 
     ``src`` and ``dst`` map a param name to ``(tensor, mesh, placements)`` for what this
     rank holds and needs; every rank of ``process_group`` constructs one (possibly with
-    empty maps). Bad rosters raise on every rank here, before any byte moves.
+    empty maps). Bad rosters, and settings (``bucket_bytes``, ``timeout_s``,
+    ``strict_casts``) that differ between ranks, raise the same ``PlanError`` on every rank
+    here, before any byte moves: each rank reads only its own arguments, so a rank alone
+    with a bad one would otherwise raise alone, or die inside the transfer.
 
     On a ``StatelessProcessGroup`` the transfers run on a child communicator of their
     own, so that a rank that fails can close it without touching the caller's group. A
@@ -284,36 +446,51 @@ class Resharder:
     close, so the ranks waiting on it raise within about a second, naming it and its
     reason, instead of waiting out the group's timeout; those ranks close theirs in turn.
     Every ``run`` gives up after ``timeout_s`` all the same (a rank that hangs publishes
-    nothing).
+    nothing), and returns only once every rank has finished its part.
+
+    Casts: see ``xferdtensor``; ``strict_casts`` makes a value beyond its destination
+    dtype's range a ``PlanError`` on every rank before ``run`` moves a byte (one more
+    exchange per run), otherwise it is warned about and listed in ``cast_overflows``.
     """
 
     def __init__(self, process_group, src=None, dst=None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 depth: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S):
-        if not timeout_s > 0:
-            raise RefitError(f"Resharder: timeout_s must be > 0, got {timeout_s!r}")
-        self.timeout_s = float(timeout_s)
+                 depth: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, strict_casts: bool = False):
         self.comm = as_communicator(process_group)
         self.closed = False
+        self._group = None
+        self.executor = None
+        rank = self.comm.rank
+        entries, local_shapes, settings, error = [], {"src": {}, "dst": {}}, None, None
         src, dst = dict(src or {}), dict(dst or {})
-        entries, local_shapes, error = [], {"src": {}, "dst": {}}, None
         try:
+            if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
+                raise PlanError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+            if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1:
+                raise PlanError(f"depth must be a positive number of rounds, got {depth!r}")
+            settings = RankSettings(bucket_bytes, finite_seconds(timeout_s, "timeout_s"),
+                                    _flag(strict_casts, "strict_casts"))
             for role, side in (("src", src), ("dst", dst)):
-                for name, (t, mesh, placements) in side.items():
+                for name, value in side.items():
+                    t, mesh, placements = _entry(role, name, value)
                     entries.append(RosterEntry.make(name, tuple(t.shape), dtype_name(t.dtype), mesh, placements, role))
                     local_shapes[role][name] = tuple(local_tensor_of(t).shape)
-        except (TypeError, ValueError, RefitError) as e:
-            error = f"rank {self.comm.rank}: {e}"
-        gathered = self.comm.all_gather_object((group_roster(entries), local_shapes, error))
-        errors = [err for _, _, err in gathered if err]
-        if errors:
-            raise PlanError("; ".join(errors))
-        self.index = merge_rosters({r: e for r, (e, _, _) in enumerate(gathered)}, self.comm.world_size)
-        for r, (_, shapes, _) in enumerate(gathered):  # every rank raises the same error, naming the rank
-            check_local_shapes(self.index, r, shapes)
+        except Exception as e:  # noqa: BLE001 - every rank raises it, naming this rank, after the exchange
+            error, settings = str(e), None
+        gathered = self.comm.all_gather_object(ResharderRecord(group_roster(entries) if error is None else [],
+                                                               local_shapes, settings, error))
+        raise_local_errors([g.error for g in gathered])
+        check_settings([g.settings for g in gathered], "Resharder")
+        self.timeout_s = settings.timeout_s
+        self.strict_casts = settings.strict_casts
+        self.index = merge_rosters({r: g.roster for r, g in enumerate(gathered)}, self.comm.world_size)
+        for r, g in enumerate(gathered):  # every rank raises the same error, naming the rank
+            check_local_shapes(self.index, r, g.local_shapes)
         self.src = {n: local_tensor_of(t) for n, (t, _, _) in src.items()}
         self.dst = {n: local_tensor_of(t) for n, (t, _, _) in dst.items()}
+        self._narrowing = narrowing_casts(self.index, rank, self.src)
+        self._src_dtypes = {n: dtype_name(self.src[n].dtype) for n in self._narrowing}
         t0 = time.perf_counter()
-        self.plan = build_rank_plan(self.index, self.comm.rank, bucket_bytes=bucket_bytes)
+        self.plan = build_rank_plan(self.index, rank, bucket_bytes=bucket_bytes)
         self.plan_seconds = time.perf_counter() - t0
         # every rank reaches this point or raised above on every rank: the split is collective
         self._group = self.comm.split(0) if isinstance(self.comm, StatelessProcessGroup) else None
@@ -321,20 +498,38 @@ class Resharder:
         self.executor = make_executor(self.plan, wire_comm, device=device_of(self.src, self.dst), depth=depth)
         self.executor.prepare(self.src, self.dst)
 
+    def _cast_overflows(self) -> list[CastOverflow]:
+        """This run's sources held to their destinations' ranges: every rank's with ``strict_casts``
+        (raising the same ``PlanError`` everywhere), else this rank's, warned about."""
+        mine = find_overflows(self._narrowing, self.src, self.comm.rank, self._src_dtypes)
+        if not self.strict_casts:
+            raise_or_warn(mine, False)
+            return mine
+        group = self._group if self._group is not None else self.comm
+        every = [o for found in group.all_gather_object(mine) for o in found]
+        raise_or_warn(every, True)
+        return every
+
     def run(self, *, verify: bool = False) -> TransferStats:
-        """Move every tensor once; returns this rank's ``TransferStats``.
+        """Move every tensor once; returns this rank's ``TransferStats`` once every rank has finished.
 
         Raises ``TransportError`` naming the rank that failed first (and its reason) when
-        another rank aborted, and after ``timeout_s`` at the latest.
+        another rank aborted, or the ranks that did not finish, and after ``timeout_s`` at
+        the latest. With ``strict_casts``, a source value beyond its destination dtype's
+        range raises ``PlanError`` on every rank before any byte moves (the Resharder stays usable).
         """
         if self.closed:
             raise TransportError(f"rank {self.comm.rank}: this Resharder was aborted or closed")
         self._raise_if_peer_failed()
+        overflows = self._cast_overflows()
         group = self._group if self._group is not None else self.comm
         group.set_deadline(time.monotonic() + self.timeout_s)
         failure = None
         try:
-            return self.executor.run(verify=verify)
+            stats = self.executor.run(verify=verify)
+            confirm_finished(group, "the transfer")
+            stats.cast_overflows = overflows
+            return stats
         except Exception as e:  # noqa: BLE001 - re-raised below, once this rank's connections are closed
             failure = _first_line(e)
         finally:
@@ -396,7 +591,8 @@ class Resharder:
                 group.store.set(self._failure_key(group.rank), reason.encode())
             except Exception:  # noqa: BLE001 - the store may be gone with its host
                 pass
-        self.executor.close()
+        if self.executor is not None:
+            self.executor.close()
         if group is not None:
             group.abort()
             self._group = None
@@ -408,7 +604,8 @@ class Resharder:
         if self.closed:
             return
         self.closed = True
-        self.executor.close()
+        if self.executor is not None:
+            self.executor.close()
         if self._group is not None:
             self._group.abort()
             self._group = None
@@ -423,5 +620,6 @@ class Resharder:
             self.close()
 
 
-__all__ = ["ArgNames", "LayoutView", "RankRecord", "Resharder", "SideMeta", "check_records", "rank_record",
+__all__ = ["ArgNames", "LayoutView", "RankRecord", "RankSettings", "Resharder", "ResharderRecord", "SideMeta",
+           "cast_overflows", "check_records", "check_settings", "confirm_finished", "finite_seconds", "rank_record",
            "run_checked", "xferdtensor", "xferdtensor_golden"]

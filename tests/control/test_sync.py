@@ -16,6 +16,7 @@ import torch
 import refit
 from refit.control import (
     NoAbsentShard,
+    RefitRefused,
     RefitVerificationError,
     RefitWorkerError,
     WeightSynchronizer,
@@ -453,3 +454,83 @@ def test_shards_of_different_sizes_refit_lose_one_and_readmit_it(synced, cls, lo
     res = sync.sync_weights()
     assert res.verified and res.rebuilt and res.shards == [0, 1, 2]
     assert wrong_weights(engines, 3) == {}
+
+
+@pytest.mark.timeout(90)
+def test_an_engine_tensor_that_changed_shape_heads_the_error_not_a_trainer(synced):
+    """An engine swaps in a tensor of another shape between syncs: its trainers' peers fail too, but
+    the sync's error is the engine's own refusal, naming it, the param and both shapes."""
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 2, 2, 1)
+    set_step(trainers, 1)
+    assert sync.sync_weights().verified
+    engines[1][0].params["norm.weight"] = torch.zeros(HIDDEN // 2, dtype=torch.bfloat16)
+    set_step(trainers, 2)
+    with pytest.raises(RefitRefused) as info:
+        sync.sync_weights()
+    err = info.value
+    assert not isinstance(err, NoAbsentShard) and err.phase == "transfer"
+    head = str(err).split(". A configuration error")[0]
+    assert head.startswith("refit transfer refused by shard 1 worker 0: PlanError: shard 1 worker 0 (rank 3): "
+                           f"norm.weight changed local shape from [{HIDDEN}] to [{HIDDEN // 2}]"), str(err)
+    assert "trainer rank" not in head
+    assert err.failures["shard 1 worker 0"].startswith("PlanError: ")
+
+
+@pytest.mark.timeout(60)
+def test_an_integer_engine_for_float_params_is_refused_by_name_before_any_byte_moves(synced):
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 2, 1, 2, engine_kw={"dtype": "int8"})
+    set_step(trainers, 1)
+    with pytest.raises(PlanError) as info:
+        sync.sync_weights()
+    msg = str(info.value)
+    assert "the source is float32 on rank(s) [0, 1] but the destination is int8 on rank(s)" in msg, msg
+    assert "floating point to integer truncates the fraction and wraps" in msg, msg
+    assert "0=trainer rank 0" in msg and "2=shard 0 worker 0" in msg, msg
+    assert all(e.loads == 0 and not e.params["norm.weight"].any() for e in engines[0])
+
+
+@pytest.mark.timeout(90)
+def test_trainer_values_beyond_the_engine_dtype_are_reported_and_strict_casts_refuses_them(synced):
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 2, 1, 2, engine_kw={"dtype": "float16"})
+    set_step(trainers, 1)
+    res = sync.sync_weights()
+    assert res.verified and res.cast_overflows == []
+    set_step(trainers, 2)
+    for tr in trainers:  # norm.weight is replicated on the trainers: both hold the big value
+        tr.params["norm.weight"][3] = 1e5
+    with pytest.warns(refit.errors.CastOverflowWarning, match="norm.weight"):
+        res = sync.sync_weights()
+    assert res.verified and res.cast_overflows, res
+    for line in res.cast_overflows:
+        assert line.startswith(("trainer rank 0: norm.weight: rank 0's", "trainer rank 1: norm.weight: rank 1's"))
+        assert "float32 source holds magnitudes up to 100000, beyond the float16 destination" in line, line
+    assert all(torch.isinf(e.params["norm.weight"][3]) for e in engines[0])  # cast as torch would
+
+    loads = [e.loads for e in engines[0]]
+    set_step(trainers, 3)
+    for tr in trainers:
+        tr.params["norm.weight"][3] = 1e5
+    with pytest.raises(PlanError) as info:
+        sync.sync_weights(strict_casts=True)
+    msg = str(info.value)
+    assert msg.startswith("strict_casts: trainer values do not fit their engines' dtype, so nothing was moved")
+    assert "trainer rank 0: norm.weight" in msg and "trainer rank 1: norm.weight" in msg, msg
+    assert [e.loads for e in engines[0]] == loads
+    assert wrong_weights(engines, 2) == {(0, 0): ["norm.weight"], (0, 1): ["norm.weight"]}  # still step 2's
+    set_step(trainers, 4)
+    res = sync.sync_weights(strict_casts=True)
+    assert res.verified and res.cast_overflows == [] and wrong_weights(engines, 4) == {}
+    assert "casts" in [e.kind for e in res.events]
+
+
+@pytest.mark.parametrize("kw, names", [
+    ({"refit_timeout_s": float("inf")}, "refit_timeout_s must be a finite number of seconds > 0 or None, got inf"),
+    ({"connect_timeout_s": float("nan")}, "connect_timeout_s must be a finite number of seconds > 0 or None"),
+    ({"ping_timeout_s": 0}, "ping_timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"grace_s": None}, "grace_s must be a finite number of seconds > 0, got None"),
+    ({"bucket_bytes": 0}, "bucket_bytes must be a positive number of bytes, got 0"),
+], ids=["refit-inf", "connect-nan", "ping-0", "grace-none", "bucket-0"])
+def test_settings_are_checked_at_construction_by_name(kw, names):
+    with pytest.raises(refit.errors.RefitError) as info:
+        refit.ReshardWeightSynchronizer(*make_fleet(1, 1, 1), **kw)
+    assert names in str(info.value)

@@ -64,19 +64,29 @@ BAD = {
     "local_shape": (r"dst_tensor / dst_placement: tensor: rank 2.s local dst tensor has shape \[3, 4\], "
                     r"but .*gives it \[4, 4\]"),
 }
+# lossy casts and settings that differ between ranks (``xfer_jobs.extra_bad_call``)
+EXTRA_BAD = {
+    "complex_to_real": (r"tensor: the source is complex64 on rank\(s\) \[0, 1\] but the destination is float32 on "
+                        r"rank\(s\) \[2, 3\]: complex to real drops the imaginary part"),
+    "float_to_int": (r"tensor: the source is float32 on rank\(s\) \[0, 1\] but the destination is int8 on "
+                     r"rank\(s\) \[2, 3\]: floating point to integer truncates"),
+    "strict_casts_disagree": (r"xferdtensor: strict_casts: the ranks disagree \(rank\(s\) \[0, 1, 2\]: False; "
+                              r"rank\(s\) \[3\]: True\)"),
+}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", sorted(BAD))
+@pytest.mark.parametrize("kind", sorted(BAD) + sorted(EXTRA_BAD))
 def test_bad_input_raises_on_every_rank_before_moving_bytes(fleet, kind):
     import re
 
-    results = fleet.run(xfer_jobs.bad_call, kind, timeout_s=60)
+    caller, pattern = (xfer_jobs.bad_call, BAD[kind]) if kind in BAD else (xfer_jobs.extra_bad_call, EXTRA_BAD[kind])
+    results = fleet.run(caller, kind, timeout_s=60)
     assert all(r is not None for r in results), results
     assert len({msg for _, msg in results}) == 1, "every rank raises the same error"
     etype, msg = results[0]
     assert etype in ("PlanError", "LayoutError")
-    assert re.search(BAD[kind], msg), msg
+    assert re.search(pattern, msg), msg
     # the group is still usable afterwards: nothing was left half-sent
     case = {"shape": (5, 3), "seed": 1, "src_mesh": [0, 1], "src_pl": [xfer_jobs.refit.Shard(0)],
             "dst_mesh": [2, 3], "dst_pl": [xfer_jobs.refit.Shard(1)], "src_dtype": "float32", "dst_dtype": "float32"}
@@ -119,3 +129,118 @@ def test_a_rank_that_fails_silently_leaves_the_others_bounded_by_timeout_s(fleet
     for r in (2, 3):
         kind, msg, _ = results[r]
         assert kind == "TransportError" and "the transfer stopped" in msg, results[r]
+
+
+RESHARDER_BAD = {
+    "bucket_bytes": (r"Resharder: bucket_bytes: the ranks disagree \(rank\(s\) \[0, 1, 2\]: 67108864; "
+                     r"rank\(s\) \[3\]: 1024\); every rank must pass the same bucket_bytes"),
+    "timeout_disagree": (r"Resharder: timeout_s: the ranks disagree \(rank\(s\) \[0, 1, 3\]: 60.0; "
+                         r"rank\(s\) \[2\]: 5.0\)"),
+    "timeout_inf": r"timeout_s must be a finite number of seconds > 0, got inf \(on rank\(s\) \[1\]\)",
+    "strict_casts_disagree": (r"Resharder: strict_casts: the ranks disagree \(rank\(s\) \[0\]: True; "
+                              r"rank\(s\) \[1, 2, 3\]"),
+    "none_tensor": r"src\['w'\]: the tensor is None; .* \(on rank\(s\) \[1\]\)",
+    "not_a_triple": r"dst\['w'\]: expected \(tensor, mesh, placements\), got DTensorRef \(on rank\(s\) \[2\]\)",
+    "float_to_int": r"w: the source is float32 on rank\(s\) \[0, 1\] but the destination is int8 on rank\(s\) \[2, 3\]",
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", sorted(RESHARDER_BAD))
+def test_resharder_one_rank_bad_argument_raises_the_same_error_everywhere(fleet, kind):
+    """One rank's setting or tensor unlike the others': every rank raises the same PlanError at
+    construction, none dies inside the transfer or waits out its timeout."""
+    import re
+
+    results = fleet.run(xfer_jobs.resharder_bad_call, kind, timeout_s=60)
+    assert all(r is not None for r in results), results
+    assert len(set(results)) == 1, results
+    etype, msg = results[0]
+    assert etype == "PlanError" and re.search(RESHARDER_BAD[kind], msg), msg
+    assert fleet.run(xfer_jobs.resharder_bad_call, "none") == [None] * WORLD  # the group is still usable
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["xfer", "resharder"])
+def test_values_beyond_a_narrower_dtype_are_reported_per_param(fleet, how):
+    results = fleet.run(xfer_jobs.overflowing_casts, how, timeout_s=60)
+    for r, res in enumerate(results):
+        assert res["outcome"] == "ok", res
+        if r >= 2:
+            assert res["inf"], "the cast still happens: 1e5 lands in fp16 as inf"
+        sent = how == "xfer" or r < 2  # xferdtensor lists every rank's; a Resharder run, this rank's own
+        assert bool(res["listed"]) == sent, res
+        for line in res["listed"]:
+            assert "float32 source holds magnitudes up to 100000, beyond the float16 destination's largest " \
+                   "finite value 65504" in line, line
+        assert bool(res["warnings"]) == (r < 2), res  # warned where the values are
+    if how == "xfer":
+        assert [line.split(":")[0] for line in results[2]["listed"]] == ["src_tensor", "src_tensor"]
+        assert "rank 0's" in results[2]["listed"][0] and "rank 1's" in results[2]["listed"][1]
+    else:
+        assert results[0]["listed"][0].startswith("w: rank 0's float32 source")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["xfer_strict", "resharder_strict"])
+def test_strict_casts_refuse_overflowing_values_on_every_rank_before_moving_bytes(fleet, how):
+    results = fleet.run(xfer_jobs.overflowing_casts, how, timeout_s=60)
+    assert len({res["listed"] for res in results}) == 1, results
+    for res in results:
+        assert res["outcome"] == "PlanError", res
+        assert "strict_casts: source values do not fit their destination dtype" in res["listed"]
+        assert "rank 0's float32 source" in res["listed"] and "rank 1's float32 source" in res["listed"]
+        assert res["warnings"] == []
+    if how == "xfer_strict":
+        assert [res["untouched"] for res in results[2:]] == [True, True]
+    else:  # refused before a byte moved, and the Resharder still runs once the values fit
+        for r, res in enumerate(results):
+            assert res["after"]["listed"] == [], res
+            if r >= 2:
+                assert res["after"]["untouched_before"] and res["after"]["arrived"], res
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_during_a_resharder_run_is_never_reported_as_success(tmp_path):
+    """Rank 3 dies (SIGKILL) as the others run: every byte of theirs moved (rank 3 has no part in
+    the data), yet no rank reports success, and each names rank 3 as the one that did not finish."""
+    import json
+
+    from refit.testing.launch import WorkerError
+
+    with LocalFleet(4) as f:
+        with pytest.raises(WorkerError) as info:
+            f.run(xfer_jobs.resharder_rank_dies, str(tmp_path), timeout_s=200)
+        assert set(info.value.failures) == {3} and info.value.failures[3][0] == "ProcessDied"
+        f.close(kill=True)
+    for r in range(3):
+        kind, msg, arrived = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert kind == "TransportError", (r, msg)
+        assert "the transfer finished here, but rank(s) [3] did not finish" in msg, (r, msg)
+        assert arrived is (True if r == 2 else None)
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_when_rank_0_the_store_host_leaves_gives_every_rank_a_refit_error():
+    """Rank 0 hosts the store; once it raised on bad input it leaves (its group closed, the store with
+    it). The others raise the same refit error, or one naming rank 0 and its store as gone, and so
+    does their next call on that group: never torch's network error."""
+    from refit.comm.rendezvous import new_secret
+
+    cases = [(xfer_jobs.bad_call, k) for k in sorted(BAD)] + [(xfer_jobs.extra_bad_call, k) for k in sorted(EXTRA_BAD)]
+    with LocalFleet(4) as f:
+        for caller, kind in cases:
+            port, secret = free_port(), new_secret()
+            first = f.run(xfer_jobs.bad_call_on_a_group_whose_store_host_leaves, caller, kind, port, secret,
+                          timeout_s=120)
+            # the callers return the refit error they caught; anything else is reported as raised
+            assert first[0][0] == "ok" and first[0][1][0] in ("PlanError", "LayoutError"), (kind, first[0])
+            for r, (outcome, value) in enumerate(first[1:], 1):
+                assert outcome == "ok", (kind, r, outcome, value)
+                gone = value[0] == "TransportError" and "rank 0, which hosts it" in value[1]
+                assert value == first[0][1] or gone, (kind, r, value)
+            again = f.run(xfer_jobs.call_again_without_the_store_host, caller, kind, port, timeout_s=120)
+            assert again[0] is None
+            for r, (outcome, value) in enumerate(again[1:], 1):
+                assert outcome == "ok" and value[0] == "TransportError", (kind, r, outcome, value)
+                assert "is gone: rank 0, which hosts it, exited or closed its group" in value[1], (kind, r, value)
