@@ -385,7 +385,8 @@ def load_hf_config(config: str | os.PathLike | Mapping[str, Any], *, name: str |
     Reads the Llama / Mistral / Qwen2 / Qwen3 (dense and MoE) / Mixtral / DeepSeek-V2/V3 /
     Kimi-K2 families; a multimodal wrapper's ``text_config`` is read in its place. A config
     that cannot describe a model (missing or non-positive sizes, heads that do not divide,
-    an unknown dtype, a file that is no JSON object) raises ``ConfigError`` naming the key.
+    an unknown dtype, a file that is no JSON object) raises ``ConfigError`` naming the key, and
+    so does one beyond ``CONFIG_LIMITS`` or ``MAX_TENSORS``, before any tensor is listed.
     """
     if not isinstance(config, Mapping):
         cfg = read_config_file(config)

@@ -34,7 +34,8 @@ from refit.runtime.endpoint import TrainerEndpoint
 from refit.testing.engine import shared_gpu
 
 __all__ = ["HFTrainer", "HFTrainerWorker", "build_config", "build_model", "check_trainer_tp", "greedy", "shard_model",
-           "tiny_gemma_config", "tiny_llama_config", "tiny_qwen2_config", "tiny_qwen3_config", "tiny_qwen3_moe_config", "tp_plan"]
+           "tiny_gemma_config", "tiny_llama_config", "tiny_qwen2_config", "tiny_qwen3_config", "tiny_qwen3_moe_config",
+           "tp_plan"]
 
 # -- configs and models ------------------------------------------------------------------------
 

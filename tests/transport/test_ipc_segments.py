@@ -13,13 +13,11 @@ import functools
 import itertools
 import json
 import os
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 from helpers import nixl_jobs as J
+from helpers.ipc_owner import Owner
 
 from refit import Replicate, Shard
 from refit.transport.ipc import (
@@ -31,8 +29,6 @@ from refit.transport.ipc import (
     sweep_stale_segments,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-OWNER = ROOT / "tests" / "helpers" / "ipc_owner.py"
 _membership = functools.partial(J.relay_membership, transport="ipc")
 _epochs = itertools.count(1)
 
@@ -108,39 +104,6 @@ def test_a_reused_pid_does_not_keep_a_dead_owners_segments():
         assert _exists(running) and _exists(elsewhere) and _exists(foreign)
     finally:
         for n in (reused, running, elsewhere, foreign):
-            if _exists(n):
-                os.unlink(os.path.join(SHM_DIR, n))
-
-
-class Owner:
-    """``helpers/ipc_owner.py`` in a process of its own, with its segment names."""
-
-    def __init__(self, mode: str):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, str(OWNER), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        line = self.proc.stdout.readline()
-        assert line, self.proc.stderr.read()
-        info = json.loads(line)
-        self.pid, self.segments = info["pid"], info["segments"]
-        assert all(_exists(n) for n in self.segments)
-
-    def say(self) -> None:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def finish(self) -> int:
-        self.say()
-        return self.proc.wait(60)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(60)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.kill()
-        for n in self.segments:  # whatever a failed test left
             if _exists(n):
                 os.unlink(os.path.join(SHM_DIR, n))
 
