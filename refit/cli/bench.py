@@ -24,7 +24,15 @@ import math
 import statistics
 import time
 
-from refit.cli.checks import dtype, engine_dtype, non_negative_int, positive_float, positive_int
+from refit.cli.checks import (
+    check_ranks,
+    dtype,
+    engine_dtype,
+    model_size,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from refit.errors import ConfigError
 
 MIB = 1 << 20
@@ -43,10 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", type=positive_int, default=None, help="source ranks (TP size of the trainer) [4; sync: 2]")
     p.add_argument("--dst-tp", type=positive_int, default=None, help="TP size of each destination replica [2; sync: 1]")
     p.add_argument("--dst-dp", type=positive_int, default=None, help="destination replicas [2; sync: 2]")
-    p.add_argument("--layers", type=positive_int, default=None,
+    p.add_argument("--layers", type=model_size("num_hidden_layers"), default=None,
                    help="transformer layers in the model [32; sync: 8 on cpu; vllm: 4]")
-    p.add_argument("--hidden", type=positive_int, default=None, help="hidden size [512; sync: 512 on cpu; vllm: 512]")
-    p.add_argument("--vocab", type=positive_int, default=None,
+    p.add_argument("--hidden", type=model_size("hidden_size"), default=None,
+                   help="hidden size [512; sync: 512 on cpu; vllm: 512]")
+    p.add_argument("--vocab", type=model_size("vocab_size"), default=None,
                    help="vocabulary size [32000; sync: the model's, scaled]")
     p.add_argument("--dtype", type=dtype, default=None, help="source dtype [float32; sync: the model's]")
     p.add_argument("--dst-dtype", type=engine_dtype, default=None,
@@ -132,6 +141,11 @@ def refuse_unused(args, applies: set[str], what: str) -> None:
     flags = ", ".join("--" + k.replace("_", "-") for k in unused)
     verb = "does" if len(unused) == 1 else "do"
     raise ConfigError(f"{what}: {flags} {verb} not apply to this run (see refit bench --help); nothing was run")
+
+
+def _layout_flags(what: str, src: int, dst_tp: int, dst_dp: int) -> str:
+    """``what`` and the layout flags of a run (a default shown as its value)."""
+    return f"{what} --src {src} --dst-tp {dst_tp} --dst-dp {dst_dp}"
 
 
 def model_spec(layers: int, hidden: int, vocab: int):
@@ -383,11 +397,17 @@ def run(args) -> int:
         for k, v in STAGED_DEFAULTS.items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
+        check_ranks(args.src + args.dst_tp * args.dst_dp,
+                    _layout_flags("--path staged", args.src, args.dst_tp, args.dst_dp))
+        bench_staged.check_layout(args)
         return bench_staged.run(args)
     if args.path == "sync":
         from refit.cli import bench_sync
 
         refuse_unused(args, SYNC_FLAGS, f"--path sync --device {args.device}")
+        src, tp, dp = (g if g is not None else d for g, d in zip((args.src, args.dst_tp, args.dst_dp),
+                                                                  bench_sync.DEFAULT_LAYOUT))
+        check_ranks(src + tp * dp, _layout_flags(f"--path sync --fleet {args.fleet}", src, tp, dp))
         return bench_sync.run(args)
     if args.device == "cuda":
         return run_cuda(args)
@@ -397,6 +417,7 @@ def run(args) -> int:
     for k, v in TRANSPORT_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    check_ranks(args.src + args.dst_tp * args.dst_dp, _layout_flags("--device cpu", args.src, args.dst_tp, args.dst_dp))
     result = run_cpu(args)
     if args.json:
         print(json.dumps(result, indent=2))

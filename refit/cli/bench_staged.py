@@ -234,6 +234,19 @@ def print_table(r: dict) -> None:
                   f"{r['refits']} refits a mode")
 
 
+def check_layout(args) -> None:
+    """Refuse a ``--dst-tp`` the engines cannot cut the model by (heads, vocabulary, MLP), as each
+    engine worker would, but before any process starts."""
+    from refit.errors import ConfigError, LayoutError
+    from refit.models.fused import FusedLayout
+
+    spec = EngineConfig.from_hf(bench_config(args.layers, args.hidden, args.vocab)).spec
+    try:
+        FusedLayout(spec, tp_size=args.dst_tp)
+    except LayoutError as e:
+        raise ConfigError(f"--path staged --dst-tp {args.dst_tp}: {e}") from None
+
+
 def run(args) -> int:
     result = run_staged_bench(args)
     if args.json:

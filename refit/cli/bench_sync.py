@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from refit.errors import ConfigError
+from refit.errors import ConfigError, LayoutError
 from refit.layout import mesh_coords_of, region_shape, shard_region
 from refit.models.fp8 import quantize_reference
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
@@ -378,6 +378,12 @@ def run_sync_bench(args) -> dict:
     model = narrowed(get_model(args.model), layers=args.layers if args.layers is not None else shape["layers"],
                      hidden=args.hidden if args.hidden is not None else shape["hidden"], vocab=args.vocab)
     dtypes = (args.dtype or model.dtype, args.dst_dtype or args.dtype or model.dtype)
+    for flag, size, parallel in (("--src", layout.trainer_tp, TrainParallel(tp=layout.trainer_tp)),
+                                 ("--dst-tp", layout.engine_tp, EngineParallel(tp=layout.engine_tp))):
+        try:  # what every rank checks when it builds its layout, refused before any rank starts
+            parallel.check(model)
+        except LayoutError as e:
+            raise FlagError(f"{flag} {size}: {e}") from None
     kwargs: dict[str, Any] = {"refit_timeout_s": args.refit_timeout, "verify": True}
     if args.transport == "nixl":
         from refit.transport.nixl import nixl_available

@@ -1,9 +1,14 @@
 """Argument types shared by the subcommands: bad values are refused while the line is parsed.
 
-Each function is an argparse ``type=``: it raises ``argparse.ArgumentTypeError``, argparse
-names the flag, and ``refit``'s parser reports it in one line with exit code 2, before a
-subcommand imports anything heavy or starts a process. Checks that need several flags
-together raise ``refit.errors.ConfigError`` from the subcommand instead.
+Each lower-case function is an argparse ``type=``: it raises ``argparse.ArgumentTypeError``,
+argparse names the flag, and ``refit``'s parser reports it in one line with exit code 2,
+before a subcommand imports anything heavy or starts a process. Checks that need several
+flags together (``check_ranks``, ``check_cuda``) raise ``refit.errors.ConfigError`` from the
+subcommand instead, still before anything starts.
+
+Sizes have ceilings as well as floors: a count that parses is not one the host can run. A
+bench of 100,000 ranks forks processes until the machine stops, and a 10^8-layer model plans
+without end, before either could fail on its own.
 """
 
 from __future__ import annotations
@@ -37,6 +42,67 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
     return value
+
+
+# Ranks a command may start per core of this host (os.cpu_count()), each a process, a Ray actor
+# or a thread. Ranks mostly wait on their peers, so several share a core (the default demo runs
+# 9 on 2 cores); past this the host thrashes instead of measuring anything.
+RANKS_PER_CORE = 8
+# Ranks ``refit plan`` simulates per layout: no process starts, but every rank's roster is built
+# and merged. Several times the largest RL fleets.
+MAX_PLANNED_RANKS = 65536
+
+
+def rank_budget() -> tuple[int, int]:
+    """(cores of this host, ranks a command may start on it)."""
+    cores = os.cpu_count() or 1
+    return cores, cores * RANKS_PER_CORE
+
+
+def check_ranks(count: int, flags: str) -> None:
+    """Refuse a run of ``count`` ranks (``flags``: the flags and values that made it) above ``rank_budget``."""
+    from refit.errors import ConfigError
+
+    cores, budget = rank_budget()
+    if count > budget:
+        raise ConfigError(f"{flags}: {count} ranks is more than the {budget} this host runs ({RANKS_PER_CORE} per "
+                          f"core, {cores} cores; a rank is a process, a Ray actor or a thread); nothing was started")
+
+
+def check_cuda(flags: str) -> None:
+    """Refuse ``--device cuda`` on a host where torch sees no GPU, before any process or Ray starts."""
+    import torch
+
+    from refit.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{flags}: torch sees no GPU on this host (torch.cuda.is_available() is False); "
+                          "nothing was started")
+
+
+def planned_ranks(text: str) -> int:
+    """A number of simulated ranks: positive, at most ``MAX_PLANNED_RANKS``."""
+    value = positive_int(text)
+    if value > MAX_PLANNED_RANKS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PLANNED_RANKS} ranks, got {text!r}")
+    return value
+
+
+def model_size(key: str) -> Callable[[str], int]:
+    """A type for a model size given as a flag, bounded like the ``config.json`` key ``key``
+    (``refit.models.specs.CONFIG_LIMITS``): a flag builds the same tensors a config does."""
+
+    def parse(text: str) -> int:
+        from refit.models.specs import CONFIG_LIMITS
+
+        value = positive_int(text)
+        if value > CONFIG_LIMITS[key]:
+            raise argparse.ArgumentTypeError(f"must be at most {CONFIG_LIMITS[key]} (the {key} limit of "
+                                             f"refit.models.specs.CONFIG_LIMITS), got {text!r}")
+        return value
+
+    parse.__name__ = "model_size"
+    return parse
 
 
 def positive_float(text: str) -> float:

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from refit.cli.checks import non_negative_int, positive_float, positive_int
+from refit.cli.checks import check_cuda, check_ranks, non_negative_int, positive_float, positive_int
 from refit.errors import ConfigError
 
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
@@ -154,9 +154,9 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
     from refit.comm.group import free_port
     from refit.runtime.ray import RayFleet
     from refit.testing.engine import EngineWorker
-    from refit.testing.hf import HFTrainerWorker, tiny_llama_config, tiny_qwen3_moe_config
+    from refit.testing.hf import HFTrainerWorker
 
-    config = (tiny_llama_config() if args.model == "llama" else tiny_qwen3_moe_config()).to_dict()
+    config = tiny_config(args.model).to_dict()
     t_start = time.monotonic()
     progress("starting the fleet (trainer and engine actors)")
     sizes = engine_sizes(args)
@@ -319,7 +319,7 @@ def _start_ray(ray, args) -> str | None:
     return "timeout" if thread.is_alive() else outcome.get("error")
 
 
-def gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
+def gpu_shortfall(args, sizes: list[int], have: int, where: str = "the Ray cluster") -> str | None:
     """What ``--device cuda`` lacks on a cluster of ``have`` GPUs, in one line; None when it fits."""
     trainer = args.trainer_dp * args.trainer_tp
     if args.nixl or args.colocate:  # ranks share GPUs; only the NCCL groups (trainer, each shard) need distinct ones
@@ -336,7 +336,7 @@ def gpu_shortfall(args, sizes: list[int], have: int) -> str | None:
     if have >= need:
         return None
     flags = "--device cuda --nixl" if args.nixl else "--device cuda --colocate" if args.colocate else "--device cuda"
-    return f"{flags}: needs {need} GPUs ({why}), the Ray cluster has {have}{hint}"
+    return f"{flags}: needs {need} GPUs ({why}), {where} has {have}{hint}"
 
 
 def _reachable(address: str, timeout_s: float = 3.0) -> bool:
@@ -369,7 +369,43 @@ def check_args(args) -> list[int]:
         raise ConfigError("losing a shard needs --engines 2 or more, so that a fleet survives (or --kill-step 0)")
     if args.kill_step and not 0 <= args.kill_shard < len(sizes):
         raise ConfigError(f"--kill-shard {args.kill_shard} is not a shard (0..{len(sizes) - 1})")
+    engines = f" --engines {args.engines}" if args.engines is not None else ""
+    check_ranks(args.trainer_dp * args.trainer_tp + sum(sizes),
+                f"--trainer-dp {args.trainer_dp} --trainer-tp {args.trainer_tp} --engine-tp {args.engine_tp}{engines}")
     return sizes
+
+
+def tiny_config(model: str):
+    """The demo's tiny HF config for ``--model`` (needs transformers)."""
+    from refit.testing.hf import tiny_llama_config, tiny_qwen3_moe_config
+
+    return tiny_llama_config() if model == "llama" else tiny_qwen3_moe_config()
+
+
+def check_layouts(args, sizes: list[int]) -> None:
+    """The trainer's TP and every engine shard's TP against the tiny model's heads, experts and FP8 blocks.
+
+    The trainer and the engines check the same rules when they build their layouts, but
+    inside their actors, after Ray's start-up; here they are refused before it. Needs
+    transformers (without it, ``check_dependencies`` says so).
+    """
+    from refit.errors import LayoutError
+    from refit.models.fused import FusedLayout
+    from refit.plan.quant import BlockFp8
+    from refit.testing.engine import EngineConfig
+    from refit.testing.hf import check_trainer_tp
+
+    config = tiny_config(args.model)
+    try:
+        check_trainer_tp(config, args.trainer_tp)
+    except LayoutError as e:
+        raise ConfigError(f"--trainer-tp {args.trainer_tp}: {e}") from None
+    spec = EngineConfig.from_hf(config).spec
+    for n in sorted(set(sizes)):
+        try:
+            FusedLayout(spec, tp_size=n, expert_parallel=args.engine_ep, fp8=BlockFp8(FP8_BLOCK) if args.fp8 else None)
+        except LayoutError as e:
+            raise ConfigError(f"--engine-tp {args.engine_tp}: {e}") from None
 
 
 def check_dependencies(args) -> None:
@@ -393,6 +429,17 @@ def run(args) -> int:
     if args.timeout is None:
         args.timeout = 15.0
     sizes = check_args(args)
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        check_layouts(args, sizes)
+    if args.device == "cuda" and not args.address:  # a joined cluster's GPUs may be on other hosts
+        check_cuda("--device cuda")
+        import torch
+
+        short = gpu_shortfall(args, sizes, torch.cuda.device_count(), "this host")
+        if short:
+            raise ConfigError(short)
     check_dependencies(args)
     if args.address and args.address != "auto" and not _reachable(args.address):
         raise ConfigError(f"--address {args.address}: no Ray cluster answers there (nothing listens on that "

@@ -236,6 +236,22 @@ def check_args(args) -> None:
         raise ConfigError(f"--engine vllm: {', '.join(unused)} {verb} not apply (it runs a Llama or Qwen3-MoE "
                           "trainer on this host and vLLM engines TP1 and TP2, kills a worker of the TP2 engine at "
                           "step 2 and re-admits it at step 3); nothing was run")
+    from refit.cli.checks import check_ranks
+
+    check_ranks(args.trainer_dp * args.trainer_tp + sum(ENGINE_TP),
+                f"--engine vllm --trainer-dp {args.trainer_dp} --trainer-tp {args.trainer_tp}")
+    from importlib.util import find_spec
+
+    if find_spec("transformers") is not None:  # the trainer's TP against the model's heads, before any process
+        from refit.errors import LayoutError
+        from refit.testing.hf import check_trainer_tp
+        from refit.testing.vllm import vllm_llama_config, vllm_qwen3_moe_config
+
+        try:
+            check_trainer_tp(vllm_qwen3_moe_config() if args.model == "qwen3-moe" else vllm_llama_config(),
+                             args.trainer_tp)
+        except LayoutError as e:
+            raise ConfigError(f"--engine vllm --trainer-tp {args.trainer_tp}: {e}") from None
     missing = missing_dependency()
     if missing:
         raise ConfigError(f"--engine vllm {missing}")

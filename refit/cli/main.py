@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "demo": ("refit.cli.demo", "train, refit engines every step, kill and re-admit one, and report"),
     "bench": ("refit.cli.bench", "measure a reshard against raw send/recv and the golden broadcast"),
     "plan": ("refit.cli.plan_report", "plan a refit for a model and layouts; per-rank load and simulated time"),
+    "clean-ipc": ("refit.cli.clean_ipc", "remove the /dev/shm segments of IPC ranks whose process is gone"),
 }
 
 

@@ -20,11 +20,13 @@ import sys
 import time
 
 from refit.cli.checks import (
+    MAX_PLANNED_RANKS,
     choice_list,
     dtype,
     engine_dtype,
     non_negative_float,
     non_negative_int,
+    planned_ranks,
     positive_float,
     positive_int,
     positive_int_list,
@@ -52,10 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep only the first N decoder layers (quick looks)")
     g.add_argument("--train", default="tp=8,pp=8,ep=32,etp=1",
                    help="training layout: tp, pp, dp, cp, ep, etp (default tp=8,pp=8,ep=32,etp=1)")
-    g.add_argument("--train-gpus", type=positive_int, default=256,
+    g.add_argument("--train-gpus", type=planned_ranks, default=256,
                    help="training ranks; dp is derived when not given (256)")
     g.add_argument("--engine", default="tp=8,ep=128", help="engine layout: tp, dp, ep (default tp=8,ep=128)")
-    g.add_argument("--engine-gpus", type=positive_int, default=128,
+    g.add_argument("--engine-gpus", type=planned_ranks, default=128,
                    help="engine ranks; dp is derived when not given (128)")
     g.add_argument("--train-dtype", type=dtype, default=None, help="training weights dtype (default: the model's)")
     g.add_argument("--engine-dtype", type=engine_dtype, default=None,
@@ -84,12 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--message-us", type=non_negative_float, default=15.0,
                    help="fixed cost per message (bucket) on its rank (15 us)")
     g = p.add_argument_group("output")
-    g.add_argument("--json", action="store_true", help="print the report as JSON")
-    g.add_argument("--markdown", action="store_true",
-                   help="print the report's tables as markdown (what docs/scale.md shows)")
+    form = g.add_mutually_exclusive_group()  # one report on stdout: argparse refuses both, naming them
+    form.add_argument("--json", action="store_true", help="print the report as JSON")
+    form.add_argument("--markdown", action="store_true",
+                      help="print the report's tables as markdown (what docs/scale.md shows)")
     g.add_argument("--png", metavar="FILE", type=writable_file, default=None,
                    help="draw per-rank load and the simulated timeline")
-    g.add_argument("--per-rank", action="store_true", help="include every rank's bytes in the JSON")
+    g.add_argument("--per-rank", action="store_true", help="include every rank's bytes in the JSON (with --json)")
     g.add_argument("--scaling", type=positive_int_list, default=None, metavar="N,N,...",
                    help="also time one rank's plan for these engine rank counts (e.g. 64,128,256,512,1024)")
 
@@ -590,6 +593,12 @@ def check_args(args) -> None:
     from refit.errors import ConfigError
 
     world = args.train_gpus + args.engine_gpus
+    if args.per_rank and not args.json:
+        raise ConfigError("--per-rank adds every rank's bytes to the JSON report; give --json too")
+    too_many = [n for n in args.scaling or () if n > MAX_PLANNED_RANKS]
+    if too_many:
+        raise ConfigError(f"--scaling {','.join(map(str, args.scaling))}: {too_many[0]} engine ranks is more than "
+                          f"{MAX_PLANNED_RANKS}, the most refit plan simulates")
     if args.rank is not None:
         if args.rank >= world:
             raise ConfigError(f"--rank {args.rank}: outside the {world} ranks (--train-gpus + --engine-gpus)")

@@ -198,7 +198,14 @@ class ModelSpec:
 
     @cached_property
     def num_tensors(self) -> int:
-        return sum(1 for _ in self.params())
+        """How many tensors ``params`` yields, counted per kind of layer (one of each is built, not all):
+        a config's size is checked against ``MAX_TENSORS`` before anything iterates its tensors."""
+        per_dense = sum(1 for _ in self._layer(0, "x", moe=False))
+        per_moe = sum(1 for _ in self._layer(0, "x", moe=True)) if self.num_experts else per_dense
+        moe_layers = sum(1 for layer in range(self.num_layers) if self.is_moe_layer(layer))
+        mtp = self.num_mtp_layers * (6 + (per_moe if self.num_experts else per_dense))
+        head = 0 if self.tie_word_embeddings else 1
+        return 2 + head + (self.num_layers - moe_layers) * per_dense + moe_layers * per_moe + mtp
 
     @property
     def num_stored_layers(self) -> int:
@@ -312,12 +319,29 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return cfg
 
 
+# The largest value a config may give each size it sets, and the most tensors a model may have.
+# Each is several times the largest published model's (Llama-3-405B: 126 layers, hidden 16384,
+# MLP 53248; Kimi-K2: 384 routed experts, 70k tensors; Gemma: a 262k vocabulary). A config
+# beyond them is a typo or an attack, not a model: planning it would run without bound (a
+# 10^8-layer config yields 10^9 tensors, one at a time) before anything could say so.
+CONFIG_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 1 << 20, "vocab_size": 1 << 22,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096,
+    "n_routed_experts": 16384, "num_experts": 16384, "num_local_experts": 16384, "moe_intermediate_size": 1 << 20,
+    "n_shared_experts": 64, "shared_expert_intermediate_size": 1 << 20, "first_k_dense_replace": 1024,
+    "moe_layer_freq": 1024, "decoder_sparse_step": 1024, "num_nextn_predict_layers": 64,
+    "q_lora_rank": 65536, "kv_lora_rank": 65536, "qk_nope_head_dim": 4096, "qk_rope_head_dim": 4096,
+    "v_head_dim": 4096,
+}
+MAX_TENSORS = 1 << 20
+
+
 class _ConfigReader:
     """Typed reads of a config dict; every refusal names the key and where the config came from.
 
     Sizes must be whole and positive (and counts whole and non-negative): a zero or a
     fraction would otherwise surface much later as a division by zero or as a model with
-    no weights that every step "syncs" in no time.
+    no weights that every step "syncs" in no time. Each is at most its ``CONFIG_LIMITS``.
     """
 
     def __init__(self, cfg: Mapping[str, Any], where: str):
@@ -334,6 +358,10 @@ class _ConfigReader:
         whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
         if isinstance(value, bool) or not whole or value < least:
             raise self.fail(f"{key} must be a {what} integer, got {value!r}")
+        limit = CONFIG_LIMITS.get(key)
+        if limit is not None and value > limit:
+            raise self.fail(f"{key} {int(value)} is more than {limit}, the most refit plans (refit.models.specs."
+                            "CONFIG_LIMITS); nothing was planned")
         return int(value)
 
     def size(self, key: str) -> int:
@@ -357,7 +385,8 @@ def load_hf_config(config: str | os.PathLike | Mapping[str, Any], *, name: str |
     Reads the Llama / Mistral / Qwen2 / Qwen3 (dense and MoE) / Mixtral / DeepSeek-V2/V3 /
     Kimi-K2 families; a multimodal wrapper's ``text_config`` is read in its place. A config
     that cannot describe a model (missing or non-positive sizes, heads that do not divide,
-    an unknown dtype, a file that is no JSON object) raises ``ConfigError`` naming the key.
+    an unknown dtype, a file that is no JSON object) raises ``ConfigError`` naming the key, and
+    so does one beyond ``CONFIG_LIMITS`` or ``MAX_TENSORS``, before any tensor is listed.
     """
     if not isinstance(config, Mapping):
         cfg = read_config_file(config)
@@ -384,6 +413,10 @@ def load_hf_config(config: str | os.PathLike | Mapping[str, Any], *, name: str |
                       qk_nope_head_dim=read.size("qk_nope_head_dim"), qk_rope_head_dim=read.size("qk_rope_head_dim"),
                       v_head_dim=read.size("v_head_dim"), num_mtp_layers=read.count("num_nextn_predict_layers"))
     spec = ModelSpec(**fields)
+    if spec.num_tensors > MAX_TENSORS:
+        raise read.fail(f"{spec.num_tensors} tensors ({spec.num_layers} layers of up to {spec.num_experts} experts "
+                        f"each) is more than {MAX_TENSORS}, the most refit plans (refit.models.specs.MAX_TENSORS); "
+                        "nothing was planned")
     dense = [layer for layer in range(spec.num_layers) if not spec.is_moe_layer(layer)]
     if dense and not spec.intermediate_size:
         raise read.fail(f"intermediate_size must be a positive integer: layer {dense[0]} has a dense MLP")

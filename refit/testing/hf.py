@@ -33,8 +33,9 @@ from refit.plan.quant import BlockFp8
 from refit.runtime.endpoint import TrainerEndpoint
 from refit.testing.engine import shared_gpu
 
-__all__ = ["HFTrainer", "HFTrainerWorker", "build_config", "build_model", "greedy", "shard_model", "tiny_gemma_config",
-           "tiny_llama_config", "tiny_qwen2_config", "tiny_qwen3_config", "tiny_qwen3_moe_config", "tp_plan"]
+__all__ = ["HFTrainer", "HFTrainerWorker", "build_config", "build_model", "check_trainer_tp", "greedy", "shard_model",
+           "tiny_gemma_config", "tiny_llama_config", "tiny_qwen2_config", "tiny_qwen3_config", "tiny_qwen3_moe_config",
+           "tp_plan"]
 
 # -- configs and models ------------------------------------------------------------------------
 
@@ -157,19 +158,28 @@ def tp_plan(model: torch.nn.Module) -> dict[str, Any]:
     return plan
 
 
-def shard_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """TP over ``mesh['tp']`` then FSDP2 over ``mesh['dp']`` (each decoder layer, then the root)."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
+def check_trainer_tp(config: Any, tp: int) -> None:
+    """Raise ``LayoutError`` unless ``shard_model`` can cut a model of ``config`` over ``tp`` ranks.
 
-    cfg = model.config
-    tp = mesh["tp"].size()
+    Callable before any rank starts (``config``: an HF config or its ``to_dict()``), so that a
+    launcher refuses a TP size at once rather than after its fleet's start-up.
+    """
+    cfg = build_config(config)
     if tp > 1 and cfg.tie_word_embeddings:
         raise LayoutError("trainer tp > 1 with tied word embeddings is not supported (the head would share a "
                           "vocab-parallel DTensor with the embedding)")
     if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp:
         raise LayoutError(f"trainer tp={tp} must divide the {cfg.num_attention_heads} heads and "
                           f"{cfg.num_key_value_heads} key/value heads (transformers' attention infers local heads)")
+
+
+def shard_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """TP over ``mesh['tp']`` then FSDP2 over ``mesh['dp']`` (each decoder layer, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = mesh["tp"].size()
+    check_trainer_tp(model.config, tp)
     if tp > 1:
         parallelize_module(model, mesh["tp"], tp_plan(model))
     for layer in model.model.layers:

@@ -41,12 +41,18 @@ deadline (``timeout_s``, or the one ``RefitAbortWatchdog`` sets). The dead peer'
 mappings are closed. A restarted peer publishes a new entry (new pid, new segments); the
 next ``update_membership`` maps it afresh.
 
-Segments are files under ``/dev/shm`` named with the owner's pid; the owner removes them
-at ``close``, and any transport that starts removes those of processes that are gone.
+Segments are files under ``/dev/shm`` named with the owner's pid namespace, pid and start
+time (``/proc/<pid>/stat``: a pid the kernel hands to a new process does not keep a dead
+owner's segments alive). The owner removes them at ``close`` and, for any it did not close,
+when it exits (``atexit``: normal exits and uncaught exceptions). A process killed outright
+(SIGKILL, SIGTERM's default action, the OOM killer) cannot: every transport removes those of
+owners that are gone when it starts, and every ``IpcExecutor`` when it is made (each plan a
+controller builds), and ``refit clean-ipc`` does on a host where no refit process runs anymore.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import mmap
@@ -54,6 +60,7 @@ import os
 import re
 import select
 import socket
+import stat
 import time
 import uuid
 import weakref
@@ -81,7 +88,8 @@ from refit.transport.buckets import (
 )
 from refit.transport.one_sided import OneSidedTransport
 
-__all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "export_cuda", "node_id", "open_cuda"]
+__all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "ShmSegment", "export_cuda",
+           "list_segments", "node_id", "open_cuda", "sweep_stale_segments"]
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +104,11 @@ MAX_NAP_S = 5e-5  # the longest a waiting rank sleeps between checks: a refit of
 # the source's tensors directly, since CUDA refuses to open a process's own IPC handles
 _IN_PROCESS: weakref.WeakValueDictionary[str, IpcTransport] = weakref.WeakValueDictionary()
 _FAILED_CAPTURES: list[Any] = []
-_NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-[0-9a-f]+-(control|staging)$")  # pid namespace, pid
-_swept = False
+# pid namespace, pid, the pid's start time (clock ticks after boot; 0: unknown), a random tag, the kind
+_NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-(\d+)-[0-9a-f]+-(control|staging)$")
+# path -> pid of the process that created it: what this process removes at exit (a forked child,
+# which inherits the table, removes none of its parent's)
+_OWNED: dict[str, int] = {}
 
 
 class IpcHandshakeError(TransportError):
@@ -137,11 +148,18 @@ class _Segment:
         except OSError as e:
             raise IpcHandshakeError(f"cannot {'create' if create else 'open'} {path}: {e} (peers must share this "
                                     "host's /dev/shm: the same node and IPC namespace)") from None
+        if create:
+            _OWNED[path] = os.getpid()
         try:
             if create:
                 os.ftruncate(fd, max(nbytes, 8))
             self.nbytes = os.fstat(fd).st_size
             self.map = mmap.mmap(fd, self.nbytes)
+        except BaseException:
+            if create:  # a file half made (no room in /dev/shm) is nobody's to remove later
+                _OWNED.pop(path, None)
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.name, self.path, self.owner = name, path, create
@@ -159,6 +177,9 @@ class _Segment:
             pass
         if self.owner:
             self.owner = False
+            if _OWNED.get(self.path) != os.getpid():  # a forked child's copy: the parent's file, not ours
+                return
+            del _OWNED[self.path]
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -177,8 +198,23 @@ def pid_namespace() -> str:
         return "0"
 
 
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, field 22 of ``/proc/<pid>/stat``);
+    None when it cannot be read (no such process, no procfs, or a ``hidepid`` mount)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: count from the last ')'
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
 def _segment_name(kind: str) -> str:
-    return f"{PREFIX}-{pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{kind}"
+    start = process_start_time(os.getpid()) or 0
+    return f"{PREFIX}-{pid_namespace()}-{os.getpid()}-{start}-{uuid.uuid4().hex[:12]}-{kind}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -191,23 +227,118 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_segments() -> int:
-    """Remove the segments of processes that are gone (a killed rank cannot remove its own)."""
-    removed = 0
+@dataclass(frozen=True)
+class ShmSegment:
+    """One refit segment under ``/dev/shm`` and whether its owner still runs.
+
+    ``owner`` is ``"running"``, ``"gone"`` (no process has its pid), ``"replaced"`` (its pid
+    now belongs to a process that started at another time: the kernel reused it) or
+    ``"elsewhere"`` (another pid namespace, whose processes cannot be seen from here).
+    """
+
+    name: str
+    nbytes: int
+    kind: str
+    pid: int
+    started: int  # the owner's start time in clock ticks after boot; 0: not recorded
+    owner: str
+
+    @property
+    def stale(self) -> bool:
+        return self.owner in ("gone", "replaced")
+
+    def describe(self) -> str:
+        why = {"running": f"process {self.pid} runs", "gone": f"process {self.pid} is gone",
+               "replaced": f"pid {self.pid} now belongs to another process",
+               "elsewhere": "its owner is in another pid namespace"}[self.owner]
+        return f"{self.name} ({self.kind}, {self.nbytes} bytes): {why}"
+
+
+def _owner_state(pid: int, started: int, namespace: str, ours: str) -> str:
+    if namespace != ours:
+        return "elsewhere"
+    if not _pid_alive(pid):
+        return "gone"
+    now = process_start_time(pid) if started else None
+    return "replaced" if now is not None and now != started else "running"
+
+
+def list_segments() -> list[ShmSegment]:
+    """Every refit segment of this host's ``/dev/shm``, by name, with its owner's state.
+
+    Only regular files named as refit names them are listed: anything else there belongs to
+    someone else.
+    """
     try:
-        names = os.listdir(SHM_DIR)
+        names = sorted(os.listdir(SHM_DIR))
     except OSError:
-        return 0
+        return []
     ours = pid_namespace()
+    out = []
     for name in names:
         m = _NAME.match(name)
-        if m and m.group(1) == ours and not _pid_alive(int(m.group(2))):
+        if m is None:
+            continue
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except OSError:  # removed meanwhile
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        pid, started = int(m.group(2)), int(m.group(3))
+        out.append(ShmSegment(name, st.st_size, m.group(4), pid, started, _owner_state(pid, started, m.group(1), ours)))
+    return out
+
+
+def sweep_stale_segments(*, dry_run: bool = False) -> tuple[list[ShmSegment], list[tuple[ShmSegment, str]]]:
+    """Remove the segments whose owner is gone (a killed rank cannot remove its own).
+
+    They hold a host source's packed weights in plain form, readable by the owner's user,
+    until someone removes them. Returns ``(removed, failed)``: the stale segments removed
+    (with ``dry_run``: those that would be), and those that could not be, with the reason
+    (another user's, under ``/dev/shm``'s sticky bit).
+    """
+    removed, failed = [], []
+    for seg in list_segments():
+        if not seg.stale:
+            continue
+        if dry_run:
+            removed.append(seg)
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, seg.name))
+        except FileNotFoundError:  # another sweep was first
+            continue
+        except OSError as e:
+            failed.append((seg, e.strerror or str(e)))
+            continue
+        removed.append(seg)
+    return removed, failed
+
+
+def _sweep_quietly() -> None:
+    """The sweep a transport runs as it starts and at every build; never fails the build."""
+    try:
+        removed, _ = sweep_stale_segments()
+    except Exception as e:  # noqa: BLE001 - a sweep that fails leaves files behind, no more
+        log.warning("could not sweep stale refit segments under %s: %s", SHM_DIR, e)
+        return
+    if removed:
+        log.info("removed %d refit segment(s) of processes that are gone: %s", len(removed),
+                 ", ".join(s.name for s in removed))
+
+
+@atexit.register
+def _remove_own_segments() -> None:
+    """At exit, the segments this process created and never closed (a transport left open)."""
+    me = os.getpid()
+    for path, pid in list(_OWNED.items()):
+        if pid == me:
+            _OWNED.pop(path, None)
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed += 1
+                os.unlink(path)
             except OSError:
                 pass
-    return removed
 
 
 class _Liveness:
@@ -360,10 +491,8 @@ class IpcTransport(OneSidedTransport):
     def __init__(self, rank: int, *, device: torch.device | str | None = None,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, verify: bool = False,
                  probe_interval_s: float = DEFAULT_PROBE_S, graphs: bool = True):
-        global _swept
-        if not _swept:
-            _swept = True
-            sweep_stale_segments()
+        _sweep_quietly()
+        self._owner_pid = os.getpid()
         super().__init__(rank)
         self.name = f"refit-ipc-r{self.rank}-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device) if device is not None else None
@@ -941,6 +1070,8 @@ class IpcTransport(OneSidedTransport):
             self._scratch.release()
 
     def __del__(self) -> None:
+        if getattr(self, "_owner_pid", None) != os.getpid():
+            return  # a forked child's copy: closing it would mark the parent's transport gone to its peers
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
@@ -956,6 +1087,10 @@ class IpcExecutor(Executor):
     transport = "ipc"
 
     def __init__(self, plan: RankPlan, ipc: IpcTransport):
+        # One executor per plan a controller builds: a rank of this host killed since the last
+        # build left its segments (the weights it staged, in plain form), and nothing else would
+        # remove them. Not at prepare, which a rebind repeats on the refit's own path.
+        _sweep_quietly()
         super().__init__(plan, None)
         self.ipc = ipc
 
