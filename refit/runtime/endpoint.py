@@ -54,7 +54,7 @@ from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
 from refit.transport.casts import find_overflows, narrowing_casts
 from refit.transport.factory import ONE_SIDED, make_executor
-from refit.transport.ipc import node_id
+from refit.transport.ipc import node_id, sweep_stale_segments
 from refit.transport.one_sided import RosterEntries
 
 __all__ = [
@@ -376,6 +376,9 @@ class _RefitEndpoint:
                 raise LateCall(f"{what} arrived after this worker joined epoch {st.epoch}: abandoned")
             deadline = call_deadline(spec.sent_at, spec.timeout_s, what)
             self._refit_drop_group()
+            # a rank SIGKILLed on this host left its IPC segments (weights, in plain form): every
+            # build removes those of dead owners, whatever transport this build runs
+            sweep_stale_segments()
             st.spec, st.epoch, st.layouts, st.shards = spec, spec.epoch, {}, {}
             try:
                 if spec.rank != 0:
