@@ -30,6 +30,7 @@ from typing import Any
 
 from refit.control import ReshardWeightSynchronizer
 from refit.runtime.handles import ProcessWorker, _descendants
+from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 __all__ = ["run_chaos"]
@@ -104,9 +105,10 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1, 1), t
 
     def engine(s: int, w: int) -> ProcessWorker:
         return ProcessWorker(SyntheticEngine, s, w, sizes[s], hidden=hidden, transfer_delay_s=transfer_delay_s,
-                             name=f"shard {s} worker {w}")
+                             name=f"shard {s} worker {w}", start_timeout_s=scaled(120.0))
 
-    ts = [ProcessWorker(SyntheticTrainer, r, trainers, hidden=hidden, name=f"trainer {r}") for r in range(trainers)]
+    ts = [ProcessWorker(SyntheticTrainer, r, trainers, hidden=hidden, name=f"trainer {r}",
+                        start_timeout_s=scaled(120.0)) for r in range(trainers)]
     es = [[engine(s, w) for w in range(n)] for s, n in enumerate(sizes)]
     retired: list[ProcessWorker] = []
     spawner = cf.ThreadPoolExecutor(2, thread_name_prefix="chaos-spawn")

@@ -20,6 +20,27 @@ from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import new_secret
 from refit.errors import RefitError
 
+LOAD_FACTOR_ENV = "REFIT_TEST_LOAD_FACTOR"
+
+
+def load_factor() -> float:
+    """How much slower than an idle machine this run starts processes (``REFIT_TEST_LOAD_FACTOR``, at least 1).
+
+    The suite measures it once, from how long a fresh interpreter took to import torch, and
+    every start-up deadline and hang guard of the tests and of these harnesses is scaled by
+    it: the same suite passed alone and timed out with two busy loops beside it, where
+    starting a Ray actor took three times as long.
+    """
+    try:
+        return max(1.0, float(os.environ.get(LOAD_FACTOR_ENV, "1")))
+    except ValueError:
+        return 1.0
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` scaled by this run's ``load_factor()``: a wait for start-up, or a hang guard."""
+    return seconds * load_factor()
+
 
 class WorkerError(RefitError):
     """A function raised on one or more ranks of a LocalFleet."""
@@ -64,8 +85,9 @@ def _worker(rank: int, world_size: int, port: int, secret: bytes, conn, threads:
 
 
 class LocalFleet:
-    def __init__(self, world_size: int, *, threads_per_rank: int = 1, start_timeout_s: float = 120.0):
-        self._start(world_size, _worker, (threads_per_rank,), start_timeout_s)
+    def __init__(self, world_size: int, *, threads_per_rank: int = 1, start_timeout_s: float | None = None):
+        self._start(world_size, _worker, (threads_per_rank,),
+                    scaled(120.0) if start_timeout_s is None else start_timeout_s)
 
     def _start(self, world_size: int, target: Callable[..., None], extra: tuple, start_timeout_s: float) -> None:
         """One spawned process per rank running ``target(rank, world_size, port, secret, conn, *extra)``."""

@@ -24,10 +24,11 @@ from refit.comm.rendezvous import RendezvousTampered, SealedStore, new_secret
 from refit.control import RefitTampered, WorkersLate
 from refit.errors import LateCall, RefitError
 from refit.runtime.endpoint import call_deadline
+from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 HIDDEN = 32
-SLACK_S = 20.0  # what a busy machine may add to a bound the test configured
+SLACK_S = scaled(20.0)  # what a busy machine may add to a bound the test configured
 CONNECT_S = 6.0  # the rebuild's rendezvous: long enough for a loaded machine, short against the lateness below
 
 
@@ -236,9 +237,10 @@ _STOPPED_CONTROLLER = r"""
 import sys, refit
 from refit.runtime.handles import ProcessWorker
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
-trainers = [ProcessWorker(SyntheticTrainer, 0, 1, hidden=32, name="trainer 0")]
+from refit.testing.launch import scaled
+trainers = [ProcessWorker(SyntheticTrainer, 0, 1, hidden=32, name="trainer 0", start_timeout_s=scaled(120))]
 engines = [[ProcessWorker(SyntheticEngine, s, 0, 1, hidden=32, transfer_delay_s=float(sys.argv[1]),
-                          name=f"shard {s} worker 0")] for s in range(2)]
+                          name=f"shard {s} worker 0", start_timeout_s=scaled(120))] for s in range(2)]
 sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=4.0, grace_s=1.0, ping_timeout_s=3.0,
                                        connect_timeout_s=60.0)
 sync.init_communicator()

@@ -23,6 +23,7 @@ import refit  # noqa: E402
 from refit.control import NoAbsentShard, RefitVerificationError  # noqa: E402
 from refit.membership import NoSurvivingShards  # noqa: E402
 from refit.runtime.ray import RayFleet, RayWorker  # noqa: E402
+from refit.testing.launch import scaled  # noqa: E402
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer  # noqa: E402
 
 # Deadlines only a frozen worker reaches: on a busy machine a healthy worker that missed a deadline of a few
@@ -30,7 +31,8 @@ from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer  # noqa: E
 TIMEOUT_S = 10.0  # refit_timeout_s: every worker's deadline for one transfer
 GRACE_S = 3.0
 PING_S = 3.0
-SLACK_S = 20.0  # what a busy machine may add to a bound the test configured (the frozen worker stays stopped)
+SLACK_S = scaled(20.0)  # what a busy machine may add to a bound the test configured (the frozen worker stays stopped)
+CALL_S = scaled(60.0)  # bound on a plain call into an actor (set_step, check_weights)
 TRANSFER_DELAY_S = 1.5  # how long a transfer is held open: a kill timed into it must land inside on a busy machine
 LOAD_DELAY_S = 0.2
 TARGETS = [(0, 1), (1, 0), (1, 1)]  # shard 0 worker 0 is never killed: a surviving engine to watch
@@ -41,7 +43,8 @@ def fleet():
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False)
     try:
         f = RayFleet(SyntheticTrainer, SyntheticEngine, train_world_size=2, num_shards=2, workers_per_shard=2,
-                     engine_kwargs=dict(transfer_delay_s=TRANSFER_DELAY_S, load_delay_s=LOAD_DELAY_S))
+                     engine_kwargs=dict(transfer_delay_s=TRANSFER_DELAY_S, load_delay_s=LOAD_DELAY_S),
+                     start_timeout_s=scaled(120.0))
         yield f
         f.shutdown()
     finally:
@@ -54,13 +57,13 @@ def make_sync(fleet, cls=refit.ReshardWeightSynchronizer, **kw):
 
 
 def set_step(fleet, step):
-    ray.get([t.set_step.remote(step) for t in fleet.trainers], timeout=60)
+    ray.get([t.set_step.remote(step) for t in fleet.trainers], timeout=CALL_S)
 
 
 def wrong_weights(fleet, step, skip=()):
     refs = {(s, w): a.check_weights.remote(step) for s, shard in enumerate(fleet.engines)
             for w, a in enumerate(shard) if (s, w) not in skip}
-    return {k: bad for k, v in refs.items() if (bad := ray.get(v, timeout=60))}
+    return {k: bad for k, v in refs.items() if (bad := ray.get(v, timeout=CALL_S))}
 
 
 def wait_dead(actor, timeout_s=120.0):
@@ -107,7 +110,7 @@ class PhaseKiller:
 
 def resources(fleet):
     watched = [*fleet.trainers, fleet.engines[0][0]]
-    return ray.get([a.refit_resources.remote() for a in watched], timeout=60)
+    return ray.get([a.refit_resources.remote() for a in watched], timeout=CALL_S)
 
 
 @pytest.mark.timeout(900)  # a hang guard: 20 restarts of Ray actors took over 420 s with the cores busy

@@ -16,11 +16,12 @@ import pytest
 import refit
 from refit.control import EveryShardLost, NoSurvivingShards, RecoveryDeadlineExceeded
 from refit.runtime.handles import ProcessWorker
+from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticTrainer
 
 HIDDEN = 32
-CALL_S = 120.0  # bound on a plain call into a worker (set_step, check_weights)
-SLACK_S = 20.0  # what a busy machine may add to a bound the sync was configured with
+CALL_S = scaled(120.0)  # bound on a plain call into a worker (set_step, check_weights)
+SLACK_S = scaled(20.0)  # what a busy machine may add to a bound the sync was configured with
 
 
 class Phases:

@@ -24,11 +24,12 @@ from refit.control import NoAbsentShard, RefitWorkerError
 from refit.errors import InconsistentWeights, RefitError
 from refit.runtime.handles import ProcessWorker
 from refit.testing.engine import EngineConfig, EngineShard
+from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 NEW_TOKENS = 3
-CALL_S = 120.0
+CALL_S = scaled(120.0)
 _REFERENCE: dict[int, EngineShard] = {}
 
 

@@ -25,12 +25,13 @@ from refit.control.settle import settle_before_propagating
 from refit.errors import PlanError
 from refit.membership import NoSurvivingShards
 from refit.runtime.handles import LocalWorker, WorkerDied
+from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, engine_placement, synthetic_shapes
 
 SYNCS = [refit.ReshardWeightSynchronizer, refit.CollectiveWeightSynchronizer]
 HIDDEN = 48
 STUCK_S = 120.0  # how long a frozen endpoint holds its call: far beyond every bound asserted below
-SLACK_S = 20.0  # what a busy machine may add to a bound the test configured
+SLACK_S = scaled(20.0)  # what a busy machine may add to a bound the test configured
 
 
 def make_fleet(t, s, w, **engine_kw):

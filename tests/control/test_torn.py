@@ -21,10 +21,11 @@ from refit.control import NoAbsentShard, RefitWorkerError
 from refit.errors import InconsistentWeights
 from refit.runtime.handles import ProcessWorker
 from refit.testing.engine import EngineConfig, EngineShard
+from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
-CALL_S = 120.0
+CALL_S = scaled(120.0)
 ALL_ENGINE_WORKERS = ["shard 0 worker 0", "shard 0 worker 1", "shard 1 worker 0"]
 
 

@@ -5,10 +5,11 @@ import time
 import pytest
 
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
+from refit.testing.launch import scaled
 
 # Bounds sized for a busy machine: a wait that should end in milliseconds gets tens of seconds, so only a
 # watchdog that never fires (or a thread that is waited out) fails the tests, never a slow scheduler.
-BOUND_S = 20.0  # how long a fake collective may stay blocked before the test fails
+BOUND_S = scaled(20.0)  # how long a fake collective may stay blocked before the test fails
 LONG_S = 60.0  # a deadline no test reaches: a watchdog armed with it must be woken, not waited out
 
 

@@ -18,11 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refit import Replicate, Shard
+from refit.testing.launch import scaled
 
 WORLD = 4
 _membership = functools.partial(J.relay_membership, transport="ipc")
 _refit = J.refit_ranks
-DEADLINE_S = 30.0  # far above how long noticing a dead peer takes on a busy machine
+DEADLINE_S = scaled(30.0)  # far above how long noticing a dead peer takes on a busy machine
 _epochs = itertools.count(1)
 
 
@@ -73,14 +74,24 @@ def _resources(group):
 
 @pytest.mark.timeout(120)
 def test_fifty_refits_grow_nothing(procs):
-    """Handles are exchanged once: over 50 refits no rank opens a file, a mapping, a thread or a segment."""
+    """Handles are exchanged once: over 50 refits no rank opens a file, a mapping or a segment, and
+    threads do not grow with refits.
+
+    One thread may appear once: torch starts pool threads lazily, and on a busy machine one
+    came up after the warm-up (6 -> 7 on rank 0). A leak grows by one a refit, 45 here.
+    """
     case = _engines_case([0], [[1], [2, 3]])
     _membership(procs, case, list(range(WORLD)), next(_epochs))
-    _refit(procs, 0, list(range(WORLD)))
-    before = procs.ok(_resources)
-    for step in range(1, 51):
+    for step in range(5):
         _refit(procs, step, list(range(WORLD)))
-    assert procs.ok(_resources) == before
+    before = procs.ok(_resources)
+    for step in range(5, 51):
+        _refit(procs, step, list(range(WORLD)))
+    after = procs.ok(_resources)
+    for r in before:
+        threads = after[r].pop("threads") - before[r].pop("threads")
+        assert threads <= 1, (r, threads)
+    assert after == before
     assert before[1]["mapped"] == 1 and before[0]["mapped"] == 0  # an engine maps its source's segment once
 
 

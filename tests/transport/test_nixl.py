@@ -21,9 +21,11 @@ if not nixl_available():
 from helpers import nixl_jobs as J  # noqa: E402
 
 from refit import Replicate, Shard  # noqa: E402
+from refit.testing.launch import scaled
 
 WORLD = 4
-DEADLINE_S = 30.0  # far above how long noticing a dead peer takes on a busy machine, so "< DEADLINE_S" means noticed
+# far above how long noticing a dead peer takes on a busy machine, so "< DEADLINE_S" means noticed
+DEADLINE_S = scaled(30.0)
 _epochs = itertools.count(1)
 
 
