@@ -281,7 +281,7 @@ class _HubLost(RefitError):
     """The hub's host (trainer rank 0) cannot be reached any more."""
 
 
-class _Hub:
+class TransferHub:
     """The store through which every call is announced and every rank says how it ended.
 
     A communicator is aborted on any failure and its store goes with it, yet the ranks
@@ -312,10 +312,11 @@ class _Hub:
         self.nonce = nonce or b""
         self.store: SealedStore | None = OpenStore(tcp)
         if secret is not None:
-            self.store = self._bound(tcp, secret, host, nonce, deadline)
+            self.store, self.nonce = self._bound(tcp, secret, host, nonce, deadline)
 
     @staticmethod
-    def _bound(tcp: dist.Store, secret: bytes, host: bool, nonce: bytes | None, deadline: float) -> SealedStore:
+    def _bound(tcp: dist.Store, secret: bytes, host: bool, nonce: bytes | None,
+               deadline: float) -> tuple[SealedStore, bytes]:
         """The hub's store with its values bound to this init: a nonce trainer rank 0 draws.
 
         The hub outlives builds and its port and secret stay the same over a re-init, so a
@@ -337,7 +338,7 @@ class _Hub:
                                            phase="init", timed_out=[HUB_HOST])
                 time.sleep(0.02)
             nonce = boot.get(_HUB_NONCE_KEY)
-        return SealedStore(tcp, secret, b"refit hub\0" + nonce)
+        return SealedStore(tcp, secret, b"refit hub\0" + nonce), nonce
 
     def _live(self) -> SealedStore:
         if self.store is None:
@@ -425,7 +426,7 @@ class _Party:
     named the same way everywhere.
     """
 
-    def __init__(self, endpoint: Any, hub: _Hub, seat: _Seat, *, address: str, secret: bytes | None,
+    def __init__(self, endpoint: Any, hub: TransferHub, seat: _Seat, *, address: str, secret: bytes | None,
                  timeout_s: float, bucket_bytes: int, verify: bool):
         self.endpoint = endpoint
         self.hub = hub
@@ -536,7 +537,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                                            device=self.device, receive_mode=init_info.receive_mode,
                                            quantized=self.model_config.quantization is not None)
         secret = resolve_secret(init_info.secret)
-        hub = _Hub(init_info.master_address, init_info.master_port, host=False, secret=secret, deadline=deadline,
+        hub = TransferHub(init_info.master_address, init_info.master_port, host=False, secret=secret, deadline=deadline,
                    nonce=bytes.fromhex(init_info.hub_nonce) if init_info.hub_nonce else None)
         seat = _Seat(first + tp_rank, init_info.world_size, init_info.rank_offset, mesh_offset=first, mesh_size=tp)
         self.party = _Party(self.endpoint, hub, seat, address=init_info.master_address, secret=secret,
@@ -629,7 +630,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         engine.engines_failed = False  # vLLM failed or did not answer the last call: rebuild the next
         engine.remote = None  # the thread of a call vLLM has not answered yet
         secret = resolve_secret(info.secret)
-        hub = _Hub(info.master_address, info.master_port, host=info.is_sender, secret=secret, deadline=deadline)
+        hub = TransferHub(info.master_address, info.master_port, host=info.is_sender, secret=secret, deadline=deadline)
         engine.party = _Party(engine.endpoint, hub, _Seat(info.rank, engine.world_size, info.trainer_world_size),
                               address=info.master_address, secret=secret, timeout_s=info.timeout_s,
                               bucket_bytes=info.bucket_bytes, verify=info.verify)
