@@ -37,8 +37,8 @@ __all__ = ["run_chaos"]
 
 MODES = ("rebuild", "transfer", "recovery", "retry", "third")  # where the kills land (see the module's docstring)
 # how often each mode is drawn: a kill inside a rendezvous (a rebuild, the rebuild of a recovery)
-# is where a fleet is most fragile, so about a third of the kills land in one
-MODE_WEIGHTS = {"rebuild": 2, "transfer": 1, "recovery": 2, "retry": 1, "third": 1}
+# is where a fleet is most fragile, so a third of the kills or more are aimed at one
+MODE_WEIGHTS = {"rebuild": 3, "transfer": 1, "recovery": 3, "retry": 1, "third": 1}
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,8 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1, 1), t
                 targets.append(rng.choice([t for t in workers if t[0] not in {u[0] for u in targets}]))
             in_transfer = rng.uniform(0.0, transfer_delay_s + 0.05)
             if mode == "rebuild":
-                plan = [_Kill("build", 1, rng.uniform(0.0, 0.2), targets[0])]
+                # within the first 100 ms: a re-admission on an idle machine is over in a few hundred
+                plan = [_Kill("build", 1, rng.uniform(0.0, 0.1), targets[0])]
             elif mode == "recovery":
                 plan = [_Kill("transfer", 1, in_transfer, targets[0]),
                         _Kill("recover", 1, rng.uniform(0.0, 0.2), targets[1])]
