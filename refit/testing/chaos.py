@@ -2,7 +2,7 @@
 
 Every cycle SIGKILLs engine workers at random moments, in one of these modes (``MODES``):
 
-* ``rebuild``: one, 0-200 ms into a rebuild (the re-admission of the shard replaced in the
+* ``rebuild``: one, 0-100 ms into a rebuild (the re-admission of the shard replaced in the
   previous cycle: its rendezvous, gloo's full-mesh connect, the plan);
 * ``transfer``: one, into the transfer;
 * ``recovery``: one into the transfer, a second into the rebuild of the recovery after it;
