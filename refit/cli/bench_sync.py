@@ -403,7 +403,7 @@ def run_sync_bench(args) -> dict:
         sync = ReshardWeightSynchronizer(fleet.trainers, fleet.engines, **kwargs)
         if args.staged:
             # every transfer lands in staging copies on the engine's device; the commit copies them in
-            from refit.control.synchronizer import as_worker
+            from refit.runtime.workers import as_worker
 
             for w in (w for shard in fleet.engines for w in shard):
                 as_worker(w, "engine worker").call("refit_configure_staging", True,

@@ -35,7 +35,7 @@ FLAGS = {"engine", "hidden", "layers", "repeat", "refit_timeout"}
 
 
 class _Recording:
-    """A worker handle that keeps the last ``refit_transfer`` call, to read its report (bytes received)."""
+    """A worker handle that keeps the last ``Transfer`` call, to read its report (bytes received)."""
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -45,9 +45,11 @@ class _Recording:
     def is_dead(self) -> bool:
         return self.inner.is_dead()
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        pending = self.inner.call(method, *args, **kwargs)
-        if method == "refit_transfer":
+    def request(self, call: Any) -> Any:
+        from refit.runtime.protocol import Transfer
+
+        pending = self.inner.request(call)
+        if isinstance(call, Transfer):
             self.last_transfer = pending
         return pending
 

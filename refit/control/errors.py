@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from refit.comm.rendezvous import RendezvousTampered
 from refit.errors import RefitError
 from refit.membership import NoSurvivingShards
+from refit.runtime.protocol import FailureKind
 
 __all__ = ["EveryShardLost", "NoAbsentShard", "NoSurvivingShards", "RecoveryDeadlineExceeded", "RefitRefused",
            "RefitTampered", "RefitVerificationError", "RefitWorkerError", "WorkersLate"]
@@ -22,13 +23,16 @@ class RefitWorkerError(RefitError):
         died: labels of workers whose process was gone.
         inconsistent: labels of engine workers whose live weights the failed refit left torn
             (they refuse to serve until a refit completes); filled in by ``sync_weights``.
+        kinds: worker label -> the ``FailureKind`` of what it raised (a worker's own failures only).
     """
 
     def __init__(self, message: str, *, phase: str = "", failures: dict[str, str] | None = None,
-                 timed_out: Sequence[str] = (), died: Sequence[str] = (), inconsistent: Sequence[str] = ()):
+                 timed_out: Sequence[str] = (), died: Sequence[str] = (), inconsistent: Sequence[str] = (),
+                 kinds: Mapping[str, FailureKind] | None = None):
         super().__init__(message)
         self.phase = phase
         self.failures = dict(failures or {})
+        self.kinds = dict(kinds or {})
         self.timed_out = list(timed_out)
         self.died = list(died)
         self.inconsistent = list(inconsistent)

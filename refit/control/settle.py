@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from refit.runtime.protocol import EndpointFailed
+
 log = logging.getLogger(__name__)
 
 
@@ -30,9 +32,9 @@ def wait_any(pendings: list, timeout: float | None) -> list:
 
 
 def brief(e: BaseException) -> str:
-    cause = getattr(e, "cause", None)  # a Ray task error carries the worker's own exception
-    if isinstance(cause, BaseException):
-        e = cause
+    """``Type: first line`` of an error; a worker's failure in the worker's own words."""
+    if isinstance(e, EndpointFailed):
+        return e.brief()
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from refit.comm.rendezvous import RendezvousTampered, new_secret
+from refit.comm.rendezvous import new_secret
 from refit.control.errors import (
     EveryShardLost,
     NoAbsentShard,
@@ -32,11 +32,30 @@ from refit.control.errors import (
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import brief, settle_before_propagating, wait_any
 from refit.control.verify import verify_checksums
-from refit.errors import CastOverflowWarning, LateCall, PlanError, RefitError
+from refit.errors import CastOverflowWarning, PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
 from refit.runtime.endpoint import ConnectSpec
 from refit.runtime.handles import LocalWorker, WorkerDied
+from refit.runtime.protocol import (
+    CastOverflows,
+    Commit,
+    Connect,
+    Device,
+    EndpointCall,
+    EndpointFailed,
+    FailureKind,
+    PeerEntry,
+    PeerMembership,
+    Ping,
+    Prepare,
+    PrepareCommit,
+    Rendezvous,
+    Teardown,
+    Transfer,
+    WeightsState,
+)
+from refit.runtime.workers import as_worker
 from refit.transport.factory import ONE_SIDED
 
 __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]
@@ -119,29 +138,20 @@ class _Limits:
         return left > 0 and (self.rounds <= 1 or time.monotonic() < self.deadline)
 
 
-def as_worker(handle: Any, name: str) -> Any:
-    """Wrap a Ray actor handle or a bare endpoint object; pass worker handles through."""
-    if hasattr(handle, "call") and hasattr(handle, "is_dead"):
-        return handle
-    if type(handle).__module__.startswith("ray."):
-        from refit.runtime.ray import RayWorker  # Ray is imported only when Ray handles are given
-
-        return RayWorker(handle, name)
-    if hasattr(handle, "refit_connect"):
-        return LocalWorker(handle, name)
-    raise RefitError(f"{name}: expected a Ray actor handle, a worker handle or a refit endpoint, "
-                     f"got {type(handle).__name__}")
-
-
 def _died(p: Any) -> bool:
     """Whether a finished call ended because its worker's process is gone."""
     try:
         p.result(0)
     except WorkerDied:
         return True
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__ in ("ActorDiedError", "RayActorError")
+    except Exception:  # noqa: BLE001 - any other failure is the worker's own
+        return False
     return False
+
+
+def _kind(e: BaseException) -> FailureKind | None:
+    """The kind of a worker's failure; None for the handle's own (a death, a timeout)."""
+    return e.kind if isinstance(e, EndpointFailed) else None
 
 
 # -- the control plane ---------------------------------------------------------------------------
@@ -340,7 +350,7 @@ class _SynchronizerBase:
                     for s, ws in enumerate(self._engines) for i, w in enumerate(ws)
                     if shards is None or s in shards]
         dead = [m for m in workers if m.worker.is_dead()]
-        pings = {m: m.worker.call("refit_ping") for m in workers if m not in dead}
+        pings = {m: m.worker.request(Ping()) for m in workers if m not in dead}
         settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
         silent = []
         for m, p in pings.items():
@@ -405,6 +415,7 @@ class _SynchronizerBase:
         deadline = None if timeout_s is None else dispatched + timeout_s
         failures: dict[str, str] = {}
         errors: dict[str, BaseException] = {}
+        kinds: dict[str, FailureKind] = {}
         died: list[str] = []
         stalled = 0.0  # how much longer than asked the controller's own waits took
 
@@ -417,8 +428,10 @@ class _SynchronizerBase:
                     results[m] = p.result(0)
                 except Exception as e:  # noqa: BLE001 - reported below with the worker's name
                     errors[m.label] = e
-                    if isinstance(e, WorkerDied) or type(e).__name__ in ("ActorDiedError", "RayActorError"):
+                    if isinstance(e, WorkerDied):
                         died.append(m.label)
+                    elif (kind := _kind(e)) is not None:
+                        kinds[m.label] = kind
                     failures[m.label] = brief(e)
 
         while pending and not failures:
@@ -447,9 +460,9 @@ class _SynchronizerBase:
                 if m.label not in failures and (m.worker.is_dead() or (p.done() and _died(p))):
                     died.append(m.label)
                     failures[m.label] = f"WorkerDied: {m.label} died"
-                elif m.label not in failures and p.done() and (refused := _config_failure(p)) is not None:
-                    failures[m.label] = refused  # a refusal is a cause, never one straggler's echo of it
-            timed_out = [m.label for m, p in pending.items() if not p.done() and m.label not in failures]
+            # what is still pending here did not answer (an answer landing after the collect is
+            # as late as one that never came: the round is decided on what it had)
+            timed_out = [m.label for m in pending if m.label not in failures]
             self._abandoned += [p for p in pending.values() if not p.done()]
             if not failures and not timed_out:
                 if self._rec is not None:
@@ -464,16 +477,16 @@ class _SynchronizerBase:
             return results
         if self._limits is not None:
             self._limits.lose(died)
-        tampered = [(label, e) for label, e in errors.items() if isinstance(_cause(e), RendezvousTampered)]
+        tampered = [label for label, kind in kinds.items() if kind is FailureKind.TAMPERED]
         if tampered:
-            label, e = tampered[0]
-            cause = _cause(e)
+            label = tampered[0]
+            details = errors[label].details
             raise RefitTampered(
-                f"refit {phase}: the rendezvous was tampered with: {label} read a value of key {cause.key!r} that no "
-                f"rank of this build wrote ({failures[label]}); nothing was excluded, and the next sync rebuilds "
-                "with a fresh secret, nonce and port", key=cause.key, rank=cause.rank, seen_by=label, phase=phase,
-                failures=failures, timed_out=timed_out, died=died)
-        late = [label for label, e in errors.items() if isinstance(_cause(e), LateCall)]
+                f"refit {phase}: the rendezvous was tampered with: {label} read a value of key {details.get('key')!r} "
+                f"that no rank of this build wrote ({failures[label]}); nothing was excluded, and the next sync "
+                "rebuilds with a fresh secret, nonce and port", key=details.get("key"), rank=details.get("rank"),
+                seen_by=label, phase=phase, failures=failures, timed_out=timed_out, died=died)
+        late = [label for label, kind in kinds.items() if kind is FailureKind.LATE]
         # a death leads the message: the workers that failed beside it were waiting for it, and
         # when both land in one wait the order of the members would blame a survivor first
         first = next(((label, failures[label]) for label in died if label in failures),
@@ -492,13 +505,13 @@ class _SynchronizerBase:
         if stalled > 0:
             msg += (f"; the controller itself stalled {stalled:.1f}s while it waited (stopped or starved), so "
                     "workers may have answered in time")
-        error = RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died)
+        error = RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died, kinds=kinds)
         error.controller_stalled_s = max(stalled, 0.0)
         error.late = late
         raise error
 
-    def _call_all(self, members: Sequence[_Member], method: str, *args: Any, **kwargs: Any) -> dict[_Member, Any]:
-        return {m: m.worker.call(method, *args, **kwargs) for m in members}
+    def _request_all(self, members: Sequence[_Member], call: EndpointCall) -> dict[_Member, Any]:
+        return {m: m.worker.request(call) for m in members}
 
     def _share(self, obj: Any) -> Any:
         """Put a large argument where every worker can fetch it once (Ray's object store)."""
@@ -532,7 +545,7 @@ class _SynchronizerBase:
         connect_s = self._cap_worker(self.connect_timeout_s)
         root = members[0]
         backend = self._backend_for(members, timeout)
-        addr, port = self._round("rendezvous", {root: root.worker.call("refit_rendezvous")}, timeout)[root]
+        addr, port = self._round("rendezvous", {root: root.worker.request(Rendezvous())}, timeout)[root]
         secret, nonce = new_secret(), secrets.token_bytes(16)
         calls = {}
         sent_at = time.time()
@@ -541,7 +554,7 @@ class _SynchronizerBase:
             spec = ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
                                mesh_offset=m.first_rank, mesh_size=size, label=m.label, backend=backend,
                                secret=secret, sent_at=sent_at, nonce=nonce)
-            calls[m] = m.worker.call("refit_connect", spec)
+            calls[m] = m.worker.request(Connect(spec))
         rosters = self._round("connect", calls, timeout + connect_s, stragglers_s=connect_s)
         by_rank = {m.rank: rosters[m] for m in members}
         try:
@@ -553,20 +566,20 @@ class _SynchronizerBase:
         shared = self._share(index)
         extra = ({"nodes": self._nodes(members, timeout), "across": self.across_nodes} if self.transport == "auto"
                  else {})
-        prepared = self._round("prepare", self._call_all(members, "refit_prepare", shared, epoch=epoch, mode=self.mode,
-                                                          bucket_bytes=self.bucket_bytes,
-                                                          transport=self.transport or "auto", **extra), timeout)
+        prepare = Prepare(shared, epoch=epoch, mode=self.mode, bucket_bytes=self.bucket_bytes,
+                          transport=self.transport or "auto", **extra)
+        prepared = self._round("prepare", self._request_all(members, prepare), timeout)
         # what each bucket carries only changes with the plan: kept for the verification reports
         self._bucket_params = {m.rank: {"send_params": prepared[m]["send_params"],
                                         "recv_params": prepared[m]["recv_params"]} for m in members}
         if self.transport in (*ONE_SIDED, "auto"):
             # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
             # controller relays the roster: new peers are loaded or mapped point to point
-            entries = self._round(f"{self.transport} handshake", self._call_all(members, "refit_peer_entry", epoch),
+            entries = self._round(f"{self.transport} handshake", self._request_all(members, PeerEntry(epoch)),
                                   timeout)
             roster = self._share({e.rank: e for e in entries.values()})
             self._round(f"{self.transport} membership",
-                        self._call_all(members, "refit_peer_membership", roster, epoch), timeout)
+                        self._request_all(members, PeerMembership(roster, epoch)), timeout)
         self._built, self._members = membership, members
         self._initialized, self._broken = True, False
 
@@ -602,7 +615,7 @@ class _SynchronizerBase:
         process lives, so each worker is asked once."""
         unknown = [m for m in members if id(m.worker) not in self._devices]
         if unknown:
-            for m, d in self._round("devices", self._call_all(unknown, "refit_device"), timeout).items():
+            for m, d in self._round("devices", self._request_all(unknown, Device()), timeout).items():
                 self._devices[id(m.worker)] = (m.worker, d)  # the handle is held: its id stays its own
         return {m: self._devices[id(m.worker)][1] for m in members}
 
@@ -668,7 +681,7 @@ class _SynchronizerBase:
             # The live communicator has ranks of the old workers: the membership may read the
             # same, but those ranks are gone, so the next sync must rebuild.
             self._broken = True
-        live = [w.call("refit_teardown") for w in old if not w.is_dead()]
+        live = [w.request(Teardown()) for w in old if not w.is_dead()]
         settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
 
     # -- sync --------------------------------------------------------------------------------
@@ -869,9 +882,8 @@ class _SynchronizerBase:
             t0 = time.monotonic()
             try:
                 watchdog = self._cap_worker(self.refit_timeout_s)
-                reports = self._round("transfer", self._call_all(members, "refit_transfer", self._epoch,
-                                                                 timeout_s=watchdog, verify=self.verify,
-                                                                 sent_at=time.time()),
+                transfer = Transfer(self._epoch, timeout_s=watchdog, verify=self.verify, sent_at=time.time())
+                reports = self._round("transfer", self._request_all(members, transfer),
                                       None if watchdog is None else watchdog + self.grace_s, stragglers_s=watchdog)
             except RefitWorkerError:
                 self._broken = True
@@ -897,13 +909,13 @@ class _SynchronizerBase:
             # transfer waits whole (staged engines keep serving version N until then). If one
             # cannot (it died, its staging did not land), none switches: all stay on N, and
             # recovery retries over the survivors, who then switch together.
-            prepared = self._round("prepare commit", self._call_all(engines, "refit_prepare_commit", self._epoch),
+            prepared = self._round("prepare commit", self._request_all(engines, PrepareCommit(self._epoch)),
                                    self._round_timeout_s())
             served = [r.get("version") for r in prepared.values() if isinstance(r, dict)]
             version = max([self.weights_version, *(v for v in served if v is not None)]) + 1
             if self._next_version is not None:
                 version = max(version, self._next_version)
-            self._round("commit", self._call_all(engines, "refit_commit", self._epoch, version=version),
+            self._round("commit", self._request_all(engines, Commit(self._epoch, version=version)),
                         self._round_timeout_s())
         self.weights_version = res.version = version
         self._next_version = None
@@ -913,7 +925,7 @@ class _SynchronizerBase:
     def _refuse_overflows(self, trainers: Sequence[_Member]) -> None:
         """``strict_casts``: ask every trainer for its values beyond their destination's range, and
         raise ``PlanError`` naming them before the transfer, which would only report them."""
-        found = self._round("cast check", self._call_all(trainers, "refit_cast_overflows", self._epoch),
+        found = self._round("cast check", self._request_all(trainers, CastOverflows(self._epoch)),
                             self._round_timeout_s())
         lines = [f"{m.label}: {line}" for m, got in found.items() for line in got]
         if lines:
@@ -1030,7 +1042,7 @@ class _SynchronizerBase:
                     continue
                 if label not in silent:
                     with contextlib.suppress(Exception):  # judged below by what it was sent
-                        asked[label] = (w, w.call("refit_weights_state"))
+                        asked[label] = (w, w.request(WeightsState()))
                 asked.setdefault(label, (w, None))
         settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
         torn = []
@@ -1073,7 +1085,7 @@ class _SynchronizerBase:
         if self._closed:
             return
         self._closed = True
-        calls = [w.call("refit_teardown") for w in [*self._trainers, *(w for s in self._engines for w in s)]
+        calls = [w.request(Teardown()) for w in [*self._trainers, *(w for s in self._engines for w in s)]
                  if not w.is_dead()]
         settle_before_propagating(calls, self.ping_timeout_s + self.grace_s, "shutdown")
         self._drain_abandoned()
@@ -1118,17 +1130,8 @@ class CollectiveWeightSynchronizer(_SynchronizerBase):
     mode = "broadcast"
 
 
-_CONFIG_ERRORS = ("PlanError", "LayoutError", "ConfigError")
-
-
 # failures that a rebuild over fewer shards cannot fix: raised as they are
 _NOT_RECOVERABLE = (NoAbsentShard, RecoveryDeadlineExceeded, RefitTampered)
-
-
-def _cause(e: BaseException) -> BaseException:
-    """A worker's own exception: a Ray task error carries it as ``cause``."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
 
 
 def _check_settings(*, refit_timeout_s, ping_timeout_s, grace_s, connect_timeout_s, bucket_bytes) -> None:
@@ -1146,16 +1149,6 @@ def _check_settings(*, refit_timeout_s, ping_timeout_s, grace_s, connect_timeout
         raise RefitError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
 
 
-def _config_failure(p: Any) -> str | None:
-    """What a finished call raised, when it is a configuration error (its ``brief``), else None."""
-    try:
-        p.result(0)
-    except Exception as e:  # noqa: BLE001 - only read here
-        text = brief(e)
-        return text if text.split(":", 1)[0] in _CONFIG_ERRORS else None
-    return None
-
-
 def _raise_if_refused(failure: RefitWorkerError) -> None:
     """Raise ``RefitRefused`` when a connect, prepare or transfer round failed on a configuration
     error and no worker died or froze: recovering would only fail the same way.
@@ -1166,7 +1159,8 @@ def _raise_if_refused(failure: RefitWorkerError) -> None:
     if (failure.phase not in ("connect", "prepare", "transfer") or failure.died or failure.timed_out
             or not failure.failures):
         return
-    refused = {label: text for label, text in failure.failures.items() if text.split(":", 1)[0] in _CONFIG_ERRORS}
+    refused = {label: text for label, text in failure.failures.items()
+               if failure.kinds.get(label) is FailureKind.REFUSED}
     if not refused:
         return
     (label, text), *others = refused.items()

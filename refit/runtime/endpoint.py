@@ -49,6 +49,7 @@ from refit.plan import (
 from refit.plan.quant import check_fp8_destinations, plan_quantization
 from refit.runtime.fp8_sources import QuantizedSources
 from refit.runtime.handles import listening_sockets
+from refit.runtime.protocol import EndpointCall, answer
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
@@ -316,6 +317,10 @@ class _RefitEndpoint:
             gc.collect()
 
     # -- the methods the controller calls ------------------------------------------------
+    def refit_request(self, call: EndpointCall) -> Any:
+        """Run one of the controller's calls (``refit.runtime.protocol``); the entry a Ray actor exposes."""
+        return answer(self, call)
+
     def refit_ping(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname()}
 

@@ -1,7 +1,8 @@
 """Worker handles: how the controller reaches one worker, whatever runs it.
 
-The controller never calls an actor directly but through a handle (``call`` -> a pending
-result, ``is_dead``). ``LocalWorker`` drives an endpoint object on a thread of this
+The controller never calls an actor directly but through a handle (``request`` of a
+``refit.runtime.protocol`` record -> a pending result, ``is_dead``; ``call`` runs any other
+method of the actor by name, for the user's own calls). ``LocalWorker`` drives an endpoint object on a thread of this
 process; ``ProcessWorker`` drives one in a spawned process of its own; both make the
 control plane usable without Ray. ``refit.runtime.ray.RayWorker`` drives a Ray actor.
 """
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from refit.errors import RefitError
+from refit.runtime.protocol import EndpointCall, answer
 
 __all__ = ["FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle", "WorkerTimeout",
            "listening_sockets", "pid_alive", "sendable_error"]
@@ -47,6 +49,7 @@ class WorkerHandle(Protocol):
 
     name: str
 
+    def request(self, call: EndpointCall) -> Pending: ...
     def call(self, method: str, *args: Any, **kwargs: Any) -> Pending: ...
     def is_dead(self) -> bool: ...
 
@@ -103,6 +106,11 @@ class LocalWorker:
             return FuturePending(_failed(WorkerDied(f"{self.name} is dead")), self)
         return FuturePending(self._pool.submit(getattr(self.endpoint, method), *args, **kwargs), self)
 
+    def request(self, call: EndpointCall) -> FuturePending:
+        if self.dead:
+            return FuturePending(_failed(WorkerDied(f"{self.name} is dead")), self)
+        return FuturePending(self._pool.submit(answer, self.endpoint, call), self)
+
     def is_dead(self) -> bool:
         return self.dead
 
@@ -157,6 +165,13 @@ class ProcessWorker:
         return self.dead
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
+        return self._send(method, args, kwargs)
+
+    def request(self, call: EndpointCall) -> FuturePending:
+        return self._send(call)
+
+    def _send(self, *message: Any) -> FuturePending:
+        """Send ``(id, *message)``: a protocol record, or a method name with its arguments."""
         fut: cf.Future = cf.Future()
         with self._lock:
             if self.dead:
@@ -164,7 +179,7 @@ class ProcessWorker:
             call_id = next(self._ids)
             self._futures[call_id] = fut
             try:
-                self._conn.send((call_id, method, args, kwargs))
+                self._conn.send((call_id, *message))
             except (OSError, ValueError) as e:
                 self._futures.pop(call_id, None)
                 return FuturePending(_failed(WorkerDied(f"{self.name}: {e}")), self)
@@ -294,7 +309,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    """The child: build the endpoint, then answer ``(id, method, args, kwargs)`` in order until told to stop.
+    """The child: build the endpoint, then answer ``(id, call)`` (a protocol record) or ``(id, method, args,
+    kwargs)`` in order until told to stop.
 
     An endpoint that fails to build is answered as ``(None, False, error)``, which fails every
     call waiting on this child at once. Left to exit, the child would hang first: Python
@@ -320,9 +336,14 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None
                 break
             if msg is None:
                 break
-            call_id, method, a, kw = msg
+            call_id, *request = msg
             try:
-                conn.send((call_id, True, getattr(endpoint, method)(*a, **kw)))
+                if len(request) == 1:
+                    result = answer(endpoint, request[0])
+                else:
+                    method, a, kw = request
+                    result = getattr(endpoint, method)(*a, **kw)
+                conn.send((call_id, True, result))
             except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
                 conn.send((call_id, False, sendable_error(e, traceback.format_exc())))
     finally:

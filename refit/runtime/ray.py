@@ -18,6 +18,7 @@ from typing import Any
 
 from refit.errors import RefitError
 from refit.runtime.handles import WorkerDied, WorkerTimeout
+from refit.runtime.protocol import EndpointCall
 
 __all__ = ["RayFleet", "RayWorker"]
 
@@ -39,8 +40,21 @@ class _RayPending:
         return self._done
 
     def result(self, timeout: float | None = None) -> Any:
+        """The answer; Ray's own errors become refit's (the only place that knows Ray's names).
+
+        A worker's exception comes back as a Ray task error that wraps it (``cause``); the
+        worker's own error is raised instead, so the controller reads its kind, never Ray's
+        wrapper. A death, whether Ray reports it as the actor's or as the task's, is
+        ``WorkerDied``.
+        """
         import ray
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+        from ray.exceptions import (
+            ActorDiedError,
+            ActorUnavailableError,
+            GetTimeoutError,
+            RayActorError,
+            RayTaskError,
+        )
 
         try:
             return ray.get(self.ref, timeout=timeout)
@@ -50,6 +64,13 @@ class _RayPending:
             raise WorkerTimeout(f"{self.worker.name} is unreachable for now: {e}") from None
         except (ActorDiedError, RayActorError) as e:
             raise WorkerDied(f"{self.worker.name} died: {str(e).strip().splitlines()[0]}") from None
+        except RayTaskError as e:
+            cause = e.cause
+            if isinstance(cause, (ActorDiedError, RayActorError)):
+                raise WorkerDied(f"{self.worker.name} died: {str(cause).strip().splitlines()[0]}") from None
+            if isinstance(cause, BaseException):
+                raise cause from None
+            raise
 
     @staticmethod
     def wait_any(pendings: Sequence[_RayPending], timeout: float | None) -> list[_RayPending]:
@@ -74,6 +95,10 @@ class RayWorker:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> _RayPending:
         return _RayPending(getattr(self.actor, method).remote(*args, **kwargs), self)
+
+    def request(self, call: EndpointCall) -> _RayPending:
+        """One of the controller's calls, through the endpoint's one entry for them."""
+        return _RayPending(self.actor.refit_request.remote(call), self)
 
     def is_dead(self) -> bool:
         """What Ray's control store says, without a call into the actor (which may be busy or stopped)."""

@@ -9,8 +9,8 @@ turns a handle to the host into one shard of worker handles for the synchronizer
     sync = ReshardWeightSynchronizer(trainers, [VllmEngine(host, tp=2).workers])
 
 vLLM reaches its workers only all at once (``collective_rpc``), so the handles of one
-engine collect the calls of a round (one per worker, which is how the synchronizer calls
-a shard) and send them as one sealed batch.
+engine collect the calls of a round (one ``refit.runtime.protocol`` record per worker,
+which is how the synchronizer calls a shard) and send them as one sealed batch.
 
 Generation never sees partial weights. Calls to a host run one at a time, so nothing
 generates while a refit moves bytes; in loader mode the live weights change only at the
@@ -29,13 +29,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from refit.engines.vllm.extension import EXTENSION, KEY_ENV, new_key, open_sealed, seal
+from refit.engines.vllm.extension import EXTENSION, KEY_ENV, REQUESTS, new_key, open_sealed, seal
 from refit.errors import InconsistentWeights, RefitError
 from refit.runtime.handles import FuturePending, WorkerDied, pid_alive
+from refit.runtime.protocol import Commit, EndpointCall, Transfer
 
 __all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost"]
 
-_TRANSFER_METHODS = {"refit_transfer"}
 TEARDOWN_GRACE_S = 1.0
 
 
@@ -93,24 +93,25 @@ class VllmEngineHost:
         """``method(*args)`` on every worker of the engine; the answers, the first failure raised."""
         return [_unwrap(x) for x in self._batch(method, {r: (args, {}) for r in range(self.tp_size)})]
 
-    def refit_workers(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
-        """Run ``method`` on the workers named in ``calls`` (by TP rank); ``(ok, result or error)`` each."""
+    def refit_requests(self, calls: dict[int, EndpointCall]) -> list[tuple[bool, Any]]:
+        """Run one round of the controller's calls, one per worker (by TP rank); ``(ok, result or error)`` each."""
         with self._lock:
-            if method in _TRANSFER_METHODS and self.direct:
+            call = next(iter(calls.values()))
+            if isinstance(call, Transfer) and self.direct:
                 # until a commit says otherwise
                 self._incomplete, self._reason = True, "a refit transfer wrote into the live weights"
-            if method == "refit_commit" and not self.direct:
+            if isinstance(call, Commit) and not self.direct:
                 # a load that fails part way leaves some layers new
                 self._incomplete, self._reason = True, "vLLM's load of the received weights did not complete"
-            out = self._batch(method, calls)
-            if method == "refit_commit" and all(ok for ok, _ in out):
+            out = self._batch(REQUESTS, calls)
+            if isinstance(call, Commit) and all(ok for ok, _ in out):
                 self._incomplete, self._reason = False, None
                 self.version += 1
-            elif self._incomplete and method in (*_TRANSFER_METHODS, "refit_commit"):
+            elif self._incomplete and isinstance(call, (Transfer, Commit)):
                 failed = next((value for ok, value in out if not ok), None)
                 if failed is not None:
                     text = str(failed).strip().splitlines()
-                    self._reason = f"{method} failed: {type(failed).__name__}: {text[0] if text else ''}"
+                    self._reason = f"{call.phase} failed: {text[0] if text else ''}"
             return out
 
     def weights_state(self) -> dict:
@@ -201,7 +202,7 @@ class VllmEngine:
     """
 
     def __init__(self, host: Any, *, name: str = "vllm engine", start_timeout_s: float = 600.0):
-        from refit.control.synchronizer import as_worker
+        from refit.runtime.workers import as_worker
 
         self.host = as_worker(host, name)
         self.name = name
@@ -212,7 +213,7 @@ class VllmEngine:
         # a time, so asking it would wait behind the very refit whose worker died
         self._local = info["host"] == socket.gethostname()
         self._lock = threading.Lock()
-        self._rounds: dict[int, dict[int, tuple[str, tuple, dict, cf.Future]]] = {}
+        self._rounds: dict[int, dict[int, tuple[EndpointCall, cf.Future]]] = {}
         self._issued = [0] * self.tp
         self.workers = [VllmWorkerHandle(self, r) for r in range(self.tp)]
 
@@ -230,26 +231,26 @@ class VllmEngine:
         """The host's ``weights_state()``: whether the engine serves, and each worker's record."""
         return self.host.call("weights_state").result(timeout_s)
 
-    def _submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> cf.Future:
+    def _submit(self, rank: int, call: EndpointCall) -> cf.Future:
         fut: cf.Future = cf.Future()
         with self._lock:
             seq = self._issued[rank]
             self._issued[rank] += 1
             batch = self._rounds.setdefault(seq, {})
-            batch[rank] = (method, args, kwargs, fut)
+            batch[rank] = (call, fut)
             if len(batch) < self.tp:
                 return fut
             del self._rounds[seq]
-        methods = {m for m, _, _, _ in batch.values()}
-        if len(methods) != 1:
-            err = RefitError(f"{self.name}: the workers of one engine were called with different methods in one "
-                             f"round ({sorted(methods)}); an engine's workers are driven together")
-            for *_, f in batch.values():
+        kinds = {type(c).__name__ for c, _ in batch.values()}
+        if len(kinds) != 1:
+            err = RefitError(f"{self.name}: the workers of one engine were sent different calls in one round "
+                             f"({sorted(kinds)}); an engine's workers are driven together")
+            for _, f in batch.values():
                 f.set_exception(err)
             return fut
-        pending = self.host.call("refit_workers", method, {r: (a, kw) for r, (_, a, kw, _) in batch.items()})
+        pending = self.host.call("refit_requests", {r: c for r, (c, _) in batch.items()})
         threading.Thread(target=self._deliver, args=(pending, batch), daemon=True,
-                         name=f"refit-{self.name}-{method}").start()
+                         name=f"refit-{self.name}-{call.phase}").start()
         return fut
 
     def _deliver(self, pending: Any, batch: dict) -> None:
@@ -267,7 +268,7 @@ class VllmEngine:
             except BaseException as e:  # noqa: BLE001 - handed to every worker's call
                 answers = e
                 break
-        for rank, (*_, fut) in batch.items():
+        for rank, (_, fut) in batch.items():
             if isinstance(answers, BaseException):
                 fut.set_exception(answers)
                 continue
@@ -295,12 +296,16 @@ class VllmWorkerHandle:
     def is_dead(self) -> bool:
         return self.engine.dead
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
+    def request(self, call: EndpointCall) -> FuturePending:
         if self.engine.dead:
             fut: cf.Future = cf.Future()
             fut.set_exception(WorkerDied(f"{self.name} is dead"))
             return FuturePending(fut, self)
-        return FuturePending(self.engine._submit(self.rank, method, args, kwargs), self)
+        return FuturePending(self.engine._submit(self.rank, call), self)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
+        raise RefitError(f"{self.name}: a vLLM worker takes refit's calls only (request); call the engine's host "
+                         f"for {method!r}")
 
     def __repr__(self) -> str:
         return f"VllmWorkerHandle({self.name}{', dead' if self.dead else ''})"

@@ -27,11 +27,14 @@ from typing import Any
 
 from refit.errors import RefitError
 from refit.runtime.handles import sendable_error
+from refit.runtime.protocol import Commit, answer
 
-__all__ = ["EXTENSION", "KEY_ENV", "RefitWorkerExtension", "new_key", "open_sealed", "seal"]
+__all__ = ["EXTENSION", "KEY_ENV", "REQUESTS", "RefitWorkerExtension", "new_key", "open_sealed", "seal"]
 
 EXTENSION = "refit.engines.vllm.extension.RefitWorkerExtension"
 KEY_ENV = "REFIT_VLLM_CHANNEL_KEY"
+#: the batch kind whose calls are the controller's records (``refit.runtime.protocol``), one per worker
+REQUESTS = "requests"
 _DIGEST = 32
 
 
@@ -88,19 +91,23 @@ class RefitWorkerExtension:
             rank = get_tensor_model_parallel_rank()
             if rank not in calls:
                 return seal((True, None))  # not addressed to this worker
+            if method == REQUESTS:  # one of the controller's calls
+                ep = self._refit_endpoint()
+                call = calls[rank]
+                result = answer(ep, call)
+                if isinstance(call, Commit):
+                    result = self._refit_switch_record(ep)
+                return seal((True, result))
             args, kwargs = calls[rank]
             if method == "refit_attach":
                 ep = self._refit_endpoint(**kwargs)
                 return seal((True, {**ep.refit_receive_mode(), "pid": os.getpid()}))
             ep = self._refit_endpoint()
             if method == "refit_transfer_start":
-                return seal((True, self._refit_transfer_start(ep, args, kwargs)))
+                return seal((True, self._refit_transfer_start(ep, *args)))
             if method == "refit_transfer_poll":
                 return seal(self._refit_transfer_poll())
-            result = getattr(ep, method)(*args, **kwargs)
-            if method == "refit_commit":
-                result = self._refit_switch_record(ep)
-            return seal((True, result))
+            return seal((True, getattr(ep, method)(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, sealed
             return seal((False, sendable_error(e, traceback.format_exc())))
 
@@ -112,7 +119,7 @@ class RefitWorkerExtension:
     # end. Only the commit, which loads the buffers into the live weights, runs between two
     # steps: that is the switch, and every worker of the engine makes it at the same point
     # of the step sequence, because vLLM hands the RPC to all of them in that order.
-    def _refit_transfer_start(self, ep: Any, args: tuple, kwargs: dict) -> None:
+    def _refit_transfer_start(self, ep: Any, transfer: Any) -> None:
         pending = self.__dict__.get("_refit_pending")
         if pending is not None and not pending.done():
             raise RefitError("a refit transfer is still running on this vLLM worker; one runs at a time")
@@ -120,7 +127,7 @@ class RefitWorkerExtension:
 
         def run() -> None:
             try:
-                fut.set_result(ep.refit_transfer(*args, **kwargs))
+                fut.set_result(answer(ep, transfer))
             except BaseException as e:  # noqa: BLE001 - handed to the poll
                 fut.set_exception(e)
 

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit.engines.vllm.engine import TEARDOWN_GRACE_S, VllmEngineHost
-from refit.engines.vllm.extension import EXTENSION
+from refit.engines.vllm.extension import EXTENSION, REQUESTS
 from refit.errors import InconsistentWeights, RefitError
+from refit.runtime.protocol import Commit, EndpointCall, Transfer
 
 __all__ = ["REFIT_MODES", "VllmServingHost", "median_gap", "token_gaps"]
 
@@ -129,21 +130,22 @@ class VllmServingHost(VllmEngineHost):
             self._loop.call_soon_threadsafe(self._loop.stop)
 
     # -- refits -------------------------------------------------------------------------
-    def refit_workers(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
+    def refit_requests(self, calls: dict[int, EndpointCall]) -> list[tuple[bool, Any]]:
         with self._lock:
-            if method == "refit_transfer":
+            call = next(iter(calls.values()))
+            if isinstance(call, Transfer):
                 if self.refit_mode == "blocking":
                     self._pause()
-                    out = self._batch(method, calls)
+                    out = self._batch(REQUESTS, calls)
                 else:
                     out = self._transfer_while_serving(calls)
                 if not all(ok for ok, _ in out):
                     self._resume()
                 return out
-            if method == "refit_commit":
+            if isinstance(call, Commit):
                 t0 = time.perf_counter()
                 try:
-                    out = self._batch(method, calls)
+                    out = self._batch(REQUESTS, calls)
                 finally:
                     commit_s = time.perf_counter() - t0
                     stalled = self._resume()
@@ -153,16 +155,16 @@ class VllmServingHost(VllmEngineHost):
                     # a load that fails part way leaves some layers new
                     failed = next(value for ok, value in out if not ok)
                     self._incomplete = True
-                    self._reason = f"refit_commit failed: {type(failed).__name__}: {_first_line(failed)}"
+                    self._reason = f"refit commit failed: {_first_line(failed)}"
                 return out
-            out = self._batch(method, calls)
+            out = self._batch(REQUESTS, calls)
             if self._paused_at is not None and not all(ok for ok, _ in out):
                 self._resume()  # the refit failed before its commit: serve version N again
             return out
 
-    def _transfer_while_serving(self, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
+    def _transfer_while_serving(self, calls: dict[int, EndpointCall]) -> list[tuple[bool, Any]]:
         """Start the transfer on every worker's thread, then poll (between steps) until each ended."""
-        started = self._batch("refit_transfer_start", calls)
+        started = self._batch("refit_transfer_start", {r: ((c,), {}) for r, c in calls.items()})
         answers: dict[int, tuple[bool, Any]] = {}
         running = []
         for rank, (ok, value) in zip(sorted(calls), (started[r] for r in sorted(calls))):
