@@ -42,6 +42,7 @@ from refit.plan.quant import BlockFp8
 from refit.plan.roster import SCALE_SUFFIX
 from refit.runtime.endpoint import EngineEndpoint, LocalShard, TrainerEndpoint
 from refit.runtime.handles import ProcessWorker
+from refit.runtime.protocol import Transfer
 
 GB = 1e9
 MIB = 1 << 20
@@ -331,12 +332,13 @@ def timed_sync(sync) -> SyncStep:
 
 
 def timed_raw(sync, timeout_s: float, verify: bool = False) -> RawStep:
-    """Every rank's ``refit_transfer`` of the live plan at once, as the synchronizer calls it (no commit)."""
+    """Every rank's ``Transfer`` of the live plan at once, as the synchronizer sends it (no commit)."""
     t0 = time.perf_counter()
-    calls = {r: w.call("refit_transfer", sync.epoch, timeout_s=None, verify=verify) for r, w in sync.workers.items()}
+    transfer = Transfer(sync.epoch, timeout_s=None, verify=verify)
+    calls = {r: w.request(transfer) for r, w in sync.workers.items()}
     reports = [p.result(timeout_s) for p in calls.values()]
-    return RawStep(max(r["seconds"] for r in reports), time.perf_counter() - t0,
-                   sum(r["bytes_received"] for r in reports), [r["quantize"] for r in reports if r.get("quantize")])
+    return RawStep(max(r.seconds for r in reports), time.perf_counter() - t0,
+                   sum(r.bytes_received for r in reports), [r.quantize for r in reports if r.quantize])
 
 
 def spread(values: list[float], nbytes: int) -> dict:

@@ -54,7 +54,7 @@ class _Recording:
         return pending
 
     def bytes_received(self) -> int:
-        return int(self.last_transfer.result(0)["bytes_received"])
+        return int(self.last_transfer.result(0).bytes_received)
 
 
 def bench_config(hidden: int, layers: int):

@@ -41,7 +41,7 @@ from refit.control.synchronizer import (
     WeightSynchronizer,
     as_worker,
 )
-from refit.control.verify import verify_checksums
+from refit.control.verify import RankChecksums, verify_checksums
 from refit.membership import NoSurvivingShards
 
 __all__ = [
@@ -60,5 +60,6 @@ __all__ = [
     "WeightSynchronizer",
     "WorkersLate",
     "as_worker",
+    "RankChecksums",
     "verify_checksums",
 ]

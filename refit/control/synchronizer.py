@@ -31,7 +31,7 @@ from refit.control.errors import (
 )
 from refit.control.result import Recorder, SyncResult
 from refit.control.settle import brief, settle_before_propagating, wait_any
-from refit.control.verify import verify_checksums
+from refit.control.verify import RankChecksums, verify_checksums
 from refit.errors import CastOverflowWarning, PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
@@ -50,9 +50,11 @@ from refit.runtime.protocol import (
     Ping,
     Prepare,
     PrepareCommit,
+    Prepared,
     Rendezvous,
     Teardown,
     Transfer,
+    TransferReport,
     WeightsState,
 )
 from refit.runtime.workers import as_worker
@@ -262,7 +264,7 @@ class _SynchronizerBase:
         self._rec: Recorder | None = None  # the sync in progress, if any
         self._limits: _Limits | None = None  # the recovery limits and losses of the sync in progress
         self._devices: dict[int, tuple[Any, dict]] = {}  # id(handle) -> (handle, where its tensors live)
-        self._bucket_params: dict[int, dict] = {}  # rank -> params of each bucket it sends / receives
+        self._bucket_params: dict[int, Prepared] = {}  # rank -> params of each bucket it sends / receives
         # shards whose engine could not take verified weights (their commit failed): left out of
         # every refit until replace_shard hands in a fresh one, though their workers are alive
         self._quarantined: set[int] = set()
@@ -570,8 +572,7 @@ class _SynchronizerBase:
                           transport=self.transport or "auto", **extra)
         prepared = self._round("prepare", self._request_all(members, prepare), timeout)
         # what each bucket carries only changes with the plan: kept for the verification reports
-        self._bucket_params = {m.rank: {"send_params": prepared[m]["send_params"],
-                                        "recv_params": prepared[m]["recv_params"]} for m in members}
+        self._bucket_params = {m.rank: prepared[m] for m in members}
         if self.transport in (*ONE_SIDED, "auto"):
             # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
             # controller relays the roster: new peers are loaded or mapped point to point
@@ -894,9 +895,9 @@ class _SynchronizerBase:
         res.absent_shards = [s for s in range(self.dp_size) if s not in self._built.shard_prefixes]
         res.world_size = self._built.world_size
         res.transfer_s = transfer_s
-        res.bytes = sum(r["bytes_received"] for r in reports.values())
+        res.bytes = sum(r.bytes_received for r in reports.values())
         res.gbps = res.bytes / transfer_s / 1e9 if transfer_s > 0 else 0.0
-        res.cast_overflows = [f"{m.label}: {line}" for m, r in reports.items() for line in r.get("cast_overflows", ())]
+        res.cast_overflows = [f"{m.label}: {line}" for m, r in reports.items() for line in r.cast_overflows]
         for line in res.cast_overflows:
             warnings.warn(line, CastOverflowWarning, stacklevel=4)
         if self.verify:
@@ -911,7 +912,7 @@ class _SynchronizerBase:
             # recovery retries over the survivors, who then switch together.
             prepared = self._round("prepare commit", self._request_all(engines, PrepareCommit(self._epoch)),
                                    self._round_timeout_s())
-            served = [r.get("version") for r in prepared.values() if isinstance(r, dict)]
+            served = [r.version for r in prepared.values()]
             version = max([self.weights_version, *(v for v in served if v is not None)]) + 1
             if self._next_version is not None:
                 version = max(version, self._next_version)
@@ -1075,9 +1076,11 @@ class _SynchronizerBase:
             error.args = (f"{error.args[0]}; engine weights now inconsistent on: {', '.join(torn)} "
                           "(they refuse to serve until a refit completes)", *error.args[1:])
 
-    def _verify(self, reports: dict[_Member, dict]) -> None:
+    def _verify(self, reports: Mapping[_Member, TransferReport]) -> None:
         labels = {m.rank: (m.label, m.shard) for m in self._members}
-        verify_checksums({m.rank: {**r, **self._bucket_params[m.rank]} for m, r in reports.items()}, labels)
+        params = self._bucket_params
+        verify_checksums({m.rank: RankChecksums(r.sent, r.received, params[m.rank].send_params,
+                                                params[m.rank].recv_params) for m, r in reports.items()}, labels)
 
     # -- teardown -------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -49,7 +49,7 @@ from refit.plan import (
 from refit.plan.quant import check_fp8_destinations, plan_quantization
 from refit.runtime.fp8_sources import QuantizedSources
 from refit.runtime.handles import listening_sockets
-from refit.runtime.protocol import EndpointCall, answer
+from refit.runtime.protocol import CommitReadiness, EndpointCall, Prepared, TransferReport, answer
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
@@ -443,7 +443,7 @@ class _RefitEndpoint:
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
-                      nodes: Mapping[int, str] | None = None, across: str = "communicator") -> dict:
+                      nodes: Mapping[int, str] | None = None, across: str = "communicator") -> Prepared:
         """Build this rank's plan from the merged rosters, and its executor, bound to its tensors.
 
         The executor lives until the next build and runs every transfer of this one, so
@@ -521,8 +521,8 @@ class _RefitEndpoint:
                                      ipc=st.one_sided if wanted == "ipc" else None, near=near)
             executor.prepare(*self._refit_sides(local))
             st.executor, st.bound = executor, bound
-            return {"rank": rank, "bytes_to_send": plan.bytes_sent, "bytes_to_receive": plan.bytes_received,
-                    "plan_s": time.perf_counter() - t0, "send_params": send_params, "recv_params": recv_params}
+            return Prepared(rank, plan.bytes_sent, plan.bytes_received, time.perf_counter() - t0, send_params,
+                            recv_params)
 
     def refit_peer_entry(self, epoch: int) -> Any:
         """One-sided transports (``"nixl"``, ``"ipc"``): this rank's roster entry for the memory
@@ -554,7 +554,7 @@ class _RefitEndpoint:
             st.one_sided.update_membership(roster, epoch)
 
     def refit_transfer(self, epoch: int, *, timeout_s: float | None, verify: bool = True,
-                       sent_at: float | None = None) -> dict:
+                       sent_at: float | None = None) -> TransferReport:
         """Move this rank's share of the weights under the refit watchdog; report checksums.
 
         On any failure the communicator is dropped at once (it is unusable anyway), which
@@ -592,13 +592,9 @@ class _RefitEndpoint:
                            f"{type(e).__name__}: {_first_line(e)}")
             if failure is None:
                 self._refit_transfer_landed(epoch)
-                return {
-                    "rank": st.spec.rank, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-                    "local_bytes": stats.local_bytes, "seconds": stats.seconds,
-                    "sent": dict(stats.checksums_sent), "received": dict(stats.checksums_received),
-                    "quantize": stats.timing.get("quantize"),
-                    "cast_overflows": [str(o) for o in stats.cast_overflows],
-                }
+                return TransferReport(st.spec.rank, stats.bytes_sent, stats.bytes_received, stats.local_bytes,
+                                      stats.seconds, dict(stats.checksums_sent), dict(stats.checksums_received),
+                                      stats.timing.get("quantize"), tuple(str(o) for o in stats.cast_overflows))
             self._refit_drop_group(collect=True)
             cls, msg = failure
             self._refit_transfer_failed(epoch, msg)
@@ -645,18 +641,18 @@ class _RefitEndpoint:
             src, _ = self._refit_sides(self._refit_local())
             return [str(o) for o in find_overflows(st.narrowing, src, st.spec.rank)]
 
-    def refit_prepare_commit(self, epoch: int) -> dict:
+    def refit_prepare_commit(self, epoch: int) -> CommitReadiness:
         """Phase one of the commit: say whether this rank can switch to the transfer of ``epoch``.
 
-        Returns ``{"version": the version served now, "staged": whether the transfer waits in
-        staging}``. Raises when a staged transfer of ``epoch`` did not land whole here, so that
+        Returns the version served now and whether the transfer waits in staging. Raises when a
+        staged transfer of ``epoch`` did not land whole here, so that
         the controller switches no worker of any shard.
         """
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_prepare_commit")
             self._refit_prepare(epoch)
-            return {"version": st.weights_version, "staged": st.staging is not None}
+            return CommitReadiness(st.weights_version, st.staging is not None)
 
     def _refit_prepare(self, epoch: int) -> None:
         pass

@@ -1,4 +1,4 @@
-"""The calls between the controller and an endpoint, and how their failures come back.
+"""The calls between the controller and an endpoint, their replies, and how failures come back.
 
 Every call the controller makes on a worker is one record below; ``apply`` names the
 endpoint method it runs, so a reader (or a static tool) follows the hop from the
@@ -32,9 +32,9 @@ from refit.errors import (
     TransportError,
 )
 
-__all__ = ["CastOverflows", "Commit", "Connect", "Device", "EndpointCall", "EndpointFailed", "FailureKind", "Ping",
-           "PeerEntry", "PeerMembership", "Prepare", "PrepareCommit", "Rendezvous", "Teardown", "Transfer",
-           "WeightsState", "answer", "failure_kind"]
+__all__ = ["CastOverflows", "Commit", "CommitReadiness", "Connect", "Device", "EndpointCall", "EndpointFailed",
+           "FailureKind", "PeerEntry", "PeerMembership", "Ping", "Prepare", "PrepareCommit", "Prepared",
+           "Rendezvous", "Teardown", "Transfer", "TransferReport", "WeightsState", "answer", "failure_kind"]
 
 
 class FailureKind(enum.Enum):
@@ -108,6 +108,50 @@ class EndpointFailed(RefitError):
         return type(self), (self.kind, self.error_type, self.message, self.details)
 
 
+# -- replies -----------------------------------------------------------------------------------
+
+BucketKey = tuple[int, int]  # (peer rank, bucket index)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a rank's plan moves, once per build: its bytes and the params each bucket carries
+    (kept by the controller for the verification reports, which then carry checksums only)."""
+
+    rank: int
+    bytes_to_send: int
+    bytes_to_receive: int
+    plan_s: float
+    send_params: Mapping[BucketKey, list[str]]
+    recv_params: Mapping[BucketKey, list[str]]
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What one rank's transfer moved, and the checksum of every bucket it sent and received."""
+
+    rank: int
+    bytes_sent: int
+    bytes_received: int
+    local_bytes: int
+    seconds: float
+    sent: Mapping[BucketKey, int]
+    received: Mapping[BucketKey, int]
+    quantize: Mapping[str, Any] | None = None  # the FP8 quantizer's timing, on a trainer rank that ran it
+    cast_overflows: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CommitReadiness:
+    """Phase one of a commit on one engine rank: the version it serves now, and whether the
+    transfer waits in staging."""
+
+    version: int | None
+    staged: bool
+
+
+# -- calls -------------------------------------------------------------------------------------
+
 class EndpointCall:
     """One call of the controller on an endpoint; ``apply`` runs it there."""
 
@@ -172,7 +216,7 @@ class Prepare(EndpointCall):
     across: str = "communicator"
     phase = "prepare"
 
-    def apply(self, endpoint: Any) -> dict:
+    def apply(self, endpoint: Any) -> Prepared:
         return endpoint.refit_prepare(self.index, epoch=self.epoch, mode=self.mode, bucket_bytes=self.bucket_bytes,
                                       transport=self.transport, nodes=self.nodes, across=self.across)
 
@@ -210,7 +254,7 @@ class Transfer(EndpointCall):
     sent_at: float | None = None
     phase = "transfer"
 
-    def apply(self, endpoint: Any) -> dict:
+    def apply(self, endpoint: Any) -> TransferReport:
         return endpoint.refit_transfer(self.epoch, timeout_s=self.timeout_s, verify=self.verify,
                                        sent_at=self.sent_at)
 
@@ -233,7 +277,7 @@ class PrepareCommit(EndpointCall):
     epoch: int
     phase = "prepare commit"
 
-    def apply(self, endpoint: Any) -> dict:
+    def apply(self, endpoint: Any) -> CommitReadiness:
         return endpoint.refit_prepare_commit(self.epoch)
 
 

@@ -82,7 +82,7 @@ from refit.comm import wire
 from refit.comm.base import free_port
 from refit.comm.rendezvous import OpenStore, RendezvousTampered, SealedStore, bind_listener, resolve_secret
 from refit.control.errors import RefitWorkerError
-from refit.control.verify import verify_checksums
+from refit.control.verify import RankChecksums, verify_checksums
 from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
 from refit.errors import RefitError
 from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
@@ -461,8 +461,8 @@ class _Party:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RefitError(f"no time left for the transfer within {self.timeout_s:g}s")
-                report = {**self.endpoint.refit_transfer(build.epoch, timeout_s=left, verify=self.verify),
-                          **self.params}
+                done = self.endpoint.refit_transfer(build.epoch, timeout_s=left, verify=self.verify)
+                report = {"sent": done.sent, "received": done.received, **self.params}
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised below
             failure = e
         what = "weight update" if transfer else "init"
@@ -489,7 +489,7 @@ class _Party:
             raise RefitWorkerError(f"refit {what} (step {step}, epoch {build.epoch}) failed, seen from {self.label}: "
                                    + "; ".join(parts), phase=what, failures=failures, timed_out=late) from failure
         if transfer and self.verify:
-            verify_checksums({r: o["report"] for r, o in outcomes.items()}, self.labels)
+            verify_checksums({r: RankChecksums(**o["report"]) for r, o in outcomes.items()}, self.labels)
 
     def _connect(self, build: RefitBuild, deadline: float) -> None:
         """Join ``build``, exchange rosters over it, plan: what the controller does, done by every rank."""
@@ -508,7 +508,7 @@ class _Party:
         except Exception:
             self.endpoint.refit_teardown()  # releases the peers blocked on this rank
             raise
-        self.params = {"send_params": prepared["send_params"], "recv_params": prepared["recv_params"]}
+        self.params = {"send_params": prepared.send_params, "recv_params": prepared.recv_params}
         self.build = build
 
     def close(self) -> None:
