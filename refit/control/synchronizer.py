@@ -139,7 +139,7 @@ def _died(p: Any) -> bool:
         p.result(0)
     except WorkerDied:
         return True
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return type(e).__name__ in ("ActorDiedError", "RayActorError")
     return False
 
@@ -351,7 +351,7 @@ class _SynchronizerBase:
                 p.result(0)
             except WorkerDied:
                 dead.append(m)
-            except Exception:  # noqa: BLE001 - it answered, with an error: alive
+            except Exception:  # it answered, with an error: alive
                 pass
         return dead, silent
 
@@ -415,7 +415,7 @@ class _SynchronizerBase:
                 last = (time.monotonic() - dispatched, m.label)
                 try:
                     results[m] = p.result(0)
-                except Exception as e:  # noqa: BLE001 - reported below with the worker's name
+                except Exception as e:  # reported below with the worker's name
                     errors[m.label] = e
                     if isinstance(e, WorkerDied) or type(e).__name__ in ("ActorDiedError", "RayActorError"):
                         died.append(m.label)
@@ -1044,7 +1044,7 @@ class _SynchronizerBase:
                     self._abandoned.append(p)
                     raise TimeoutError
                 consistent = p.result(0).get("consistent", True)
-            except Exception:  # noqa: BLE001 - silent, or an endpoint that cannot say: judged by what it was sent
+            except Exception:  # silent, or an endpoint that cannot say: judged by what it was sent
                 consistent = id(w) not in self._suspects
             if consistent:
                 self._suspects.pop(id(w), None)
@@ -1056,7 +1056,7 @@ class _SynchronizerBase:
         """Name in a failed refit's error every engine worker it left torn, not only the one that failed."""
         try:
             torn = self.inconsistent_workers(silent=getattr(error, "timed_out", None) or ())
-        except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
+        except Exception:  # the refit's own error is the one to raise
             return
         error.inconsistent = torn
         if torn and error.args:
@@ -1100,8 +1100,9 @@ class ReshardWeightSynchronizer(_SynchronizerBase):
     """Shard-to-shard refit: every destination block comes straight from one source shard.
 
     No full gather on the trainer and no full broadcast: each rank builds its own
-    send/recv plan from the merged rosters (``refit.plan.planner``) and the packed buckets move
-    point to point. See ``_SynchronizerBase`` for the arguments.
+    send/recv plan from the merged rosters (``refit.plan.roster.merge_rosters``, then
+    ``refit.plan.rank_plan.build_rank_plan``) and the packed buckets move point to point.
+    See ``_SynchronizerBase`` for the arguments.
     """
 
     mode = "reshard"
@@ -1150,7 +1151,7 @@ def _config_failure(p: Any) -> str | None:
     """What a finished call raised, when it is a configuration error (its ``brief``), else None."""
     try:
         p.result(0)
-    except Exception as e:  # noqa: BLE001 - only read here
+    except Exception as e:  # only read here
         text = brief(e)
         return text if text.split(":", 1)[0] in _CONFIG_ERRORS else None
     return None

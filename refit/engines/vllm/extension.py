@@ -101,7 +101,7 @@ class RefitWorkerExtension:
             if method == "refit_commit":
                 result = self._refit_switch_record(ep)
             return seal((True, result))
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, sealed
+        except BaseException as e:  # every failure goes back to the caller, sealed
             return seal((False, sendable_error(e, traceback.format_exc())))
 
     # -- refits while the engine keeps stepping ------------------------------------------
@@ -121,7 +121,7 @@ class RefitWorkerExtension:
         def run() -> None:
             try:
                 fut.set_result(ep.refit_transfer(*args, **kwargs))
-            except BaseException as e:  # noqa: BLE001 - handed to the poll
+            except BaseException as e:  # handed to the poll
                 fut.set_exception(e)
 
         self._refit_pending = fut
