@@ -306,7 +306,7 @@ def _start_ray(ray, args) -> str | None:
             else:
                 ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                          object_store_memory=200 * 1024 * 1024)
-        except Exception as e:  # noqa: BLE001 - Ray's start-up errors vary; say what failed
+        except Exception as e:  # Ray's start-up errors vary; say what failed
             return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         return None
 

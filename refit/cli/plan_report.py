@@ -186,7 +186,7 @@ def _plan_kwargs(args, variant: dict, topo) -> dict:
 
 
 def time_one_rank(index, rank: int, repeats: int, **kw) -> dict:
-    """Cold builds of one rank's plan (the index's cached geometry dropped before each)."""
+    """Cold builds of one rank's plan (the planning state kept for the index dropped before each)."""
     from refit.plan import PlanStats, build_rank_plan, reset_planner_cache
 
     times, cpu = [], []

@@ -309,7 +309,7 @@ class StatelessProcessGroup:
                 if self.store.check(arrived):
                     break
                 problem = None
-            except Exception as e:  # noqa: BLE001 - rank 0, the store's host, is gone: wait for the deadline
+            except Exception as e:  # rank 0, the store's host, is gone: wait for the deadline
                 problem = e
             if self._aborted.is_set() or time.monotonic() >= deadline:
                 missing = [r for r, k in enumerate(arrived) if not self._has_key(k)]
@@ -428,7 +428,7 @@ class StatelessProcessGroup:
     def _has_key(self, key: str) -> bool:
         try:
             return bool(self.store.check([key]))
-        except Exception:  # noqa: BLE001
+        except Exception:
             return False
 
     def _wait_keys(self, keys: list[str], deadline: float, limit: float, what: str) -> None:
@@ -510,7 +510,7 @@ class StatelessProcessGroup:
             if self.store.add(f"{prefix}/read", 1) == self.world_size:
                 for k in keys + [f"{prefix}/read"]:
                     self.store.delete_key(k)
-        except Exception:  # noqa: BLE001 - every value was read: the store's host may have gone since, its keys with it
+        except Exception:  # every value was read: the store's host may have gone since, its keys with it
             pass
         return [wire.unpack(v) for v in values]
 
@@ -726,19 +726,19 @@ class StatelessProcessGroup:
         for child in self.children:
             try:
                 child.abort()
-            except Exception:  # noqa: BLE001 - abort must not raise on a dying fleet
+            except Exception:  # abort must not raise on a dying fleet
                 log.exception("aborting a child communicator failed")
         comm, self._nccl = self._nccl, None
         if comm is not None:
             try:
                 comm.abort()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("NCCL abort raised", exc_info=True)
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
                 pg.abort()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("process group abort raised", exc_info=True)
         self.store = None
         if self.parent_ranks is None:  # a split child shares its parent's store
@@ -768,7 +768,7 @@ class TorchGroupComm:
         self._deadline: float | None = None
         try:
             backend = str(dist.get_backend(self.group)).lower()
-        except Exception:  # noqa: BLE001
+        except Exception:
             backend = ""
         self.stream_ordered = "nccl" in backend
 

@@ -101,7 +101,7 @@ def find_library() -> str:
         import torch  # noqa: F401  - loads libtorch_cuda, and with it libnccl
         if torch.cuda.is_available():
             torch.cuda.init()
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     loaded = _loaded_nccl_paths()
     if loaded:

@@ -1,7 +1,7 @@
 """Controller side of a refit: the weight synchronizers, and recovery from lost engines.
 
 One control plane, two data paths. ``ReshardWeightSynchronizer`` moves every param shard
-to shard along the per-rank plans of ``refit.plan.planner``; ``CollectiveWeightSynchronizer``
+to shard along the per-rank plans of ``refit.plan.rank_plan``; ``CollectiveWeightSynchronizer``
 broadcasts every source shard to every rank (the baseline every peer system uses). Both
 share the lifecycle below, the membership arithmetic of ``refit.membership``, the
 in-worker watchdog, the verification of what arrived, and the recovery.

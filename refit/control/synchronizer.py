@@ -146,7 +146,7 @@ def _died(p: Any) -> bool:
         p.result(0)
     except WorkerDied:
         return True
-    except Exception:  # noqa: BLE001 - any other failure is the worker's own
+    except Exception:  # any other failure is the worker's own
         return False
     return False
 
@@ -363,7 +363,7 @@ class _SynchronizerBase:
                 p.result(0)
             except WorkerDied:
                 dead.append(m)
-            except Exception:  # noqa: BLE001 - it answered, with an error: alive
+            except Exception:  # it answered, with an error: alive
                 pass
         return dead, silent
 
@@ -428,7 +428,7 @@ class _SynchronizerBase:
                 last = (time.monotonic() - dispatched, m.label)
                 try:
                     results[m] = p.result(0)
-                except Exception as e:  # noqa: BLE001 - reported below with the worker's name
+                except Exception as e:  # reported below with the worker's name
                     errors[m.label] = e
                     if isinstance(e, WorkerDied):
                         died.append(m.label)
@@ -1057,7 +1057,7 @@ class _SynchronizerBase:
                     self._abandoned.append(p)
                     raise TimeoutError
                 consistent = p.result(0).get("consistent", True)
-            except Exception:  # noqa: BLE001 - silent, or an endpoint that cannot say: judged by what it was sent
+            except Exception:  # silent, or an endpoint that cannot say: judged by what it was sent
                 consistent = id(w) not in self._suspects
             if consistent:
                 self._suspects.pop(id(w), None)
@@ -1069,7 +1069,7 @@ class _SynchronizerBase:
         """Name in a failed refit's error every engine worker it left torn, not only the one that failed."""
         try:
             torn = self.inconsistent_workers(silent=getattr(error, "timed_out", None) or ())
-        except Exception:  # noqa: BLE001 - the refit's own error is the one to raise
+        except Exception:  # the refit's own error is the one to raise
             return
         error.inconsistent = torn
         if torn and error.args:
@@ -1115,8 +1115,9 @@ class ReshardWeightSynchronizer(_SynchronizerBase):
     """Shard-to-shard refit: every destination block comes straight from one source shard.
 
     No full gather on the trainer and no full broadcast: each rank builds its own
-    send/recv plan from the merged rosters (``refit.plan.planner``) and the packed buckets move
-    point to point. See ``_SynchronizerBase`` for the arguments.
+    send/recv plan from the merged rosters (``refit.plan.roster.merge_rosters``, then
+    ``refit.plan.rank_plan.build_rank_plan``) and the packed buckets move point to point.
+    See ``_SynchronizerBase`` for the arguments.
     """
 
     mode = "reshard"

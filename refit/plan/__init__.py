@@ -17,9 +17,16 @@ from refit.plan.buckets import (
     task_id,
     wire_dtype,
 )
-from refit.plan.forms import reset_planner_cache
 from refit.plan.geometry import LayoutGeometry
-from refit.plan.rank_plan import DEFAULT_STRIPE_BYTES, PlanCache, RankPlan, build_rank_plan, plan_key
+from refit.plan.rank_plan import (
+    DEFAULT_STRIPE_BYTES,
+    PlanCache,
+    RankPlan,
+    build_rank_plan,
+    default_plan_cache,
+    plan_key,
+    reset_planner_cache,
+)
 from refit.plan.roster import (
     ParamIndex,
     ParamSpec,
@@ -38,7 +45,7 @@ from refit.plan.templates import PlanStats
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "DEFAULT_DIRECT_BYTES", "DEFAULT_STRIPE_BYTES", "Bucket", "LayoutGeometry", "Op",
     "ParamIndex", "ParamSpec", "PlanCache", "PlanStats", "RankPlan", "RosterEntry", "RosterGroup", "TensorLayout",
-    "build_rank_plan", "check_local_shapes", "contiguous", "group_roster", "itemsize", "merge_rosters",
-    "min_bytes_needed", "pack_buckets", "plan_key", "reset_planner_cache", "source_shards", "split_box", "split_plan",
-    "task_id", "wire_dtype",
+    "build_rank_plan", "check_local_shapes", "contiguous", "default_plan_cache", "group_roster", "itemsize",
+    "merge_rosters", "min_bytes_needed", "pack_buckets", "plan_key", "reset_planner_cache", "source_shards",
+    "split_box", "split_plan", "task_id", "wire_dtype",
 ]

@@ -7,7 +7,7 @@ import bisect
 from typing import Any, NamedTuple
 
 from refit.plan.geometry import GeometryCache
-from refit.plan.roster import ParamIndex, SpecTable, TensorLayout
+from refit.plan.roster import TensorLayout
 from refit.plan.templates import FormPlanner
 
 
@@ -63,7 +63,8 @@ class DisjointMap:
 
 
 class PlannerCache(GeometryCache):
-    """Per-index planning state: canonical forms, geometry and templates, filled on demand.
+    """One index's planning state: canonical forms, geometry and templates, filled on demand
+    (a ``PlanCache`` keeps one per index digest).
 
     A form is a param's source and destination layouts with ranks renumbered by first
     appearance (source mesh, then each destination mesh): params whose layouts differ
@@ -163,21 +164,3 @@ class PlannerCache(GeometryCache):
         if fp is None:
             fp = self._planners[key] = FormPlanner(shape, form, self, bucket_bytes, stripe_bytes)
         return fp
-
-
-def planner_cache(index: ParamIndex) -> PlannerCache:
-    """The planning state cached on ``index`` (dropped when it is pickled)."""
-    cache = index.__dict__.get("_planner_cache")
-    if cache is None:
-        cache = index.__dict__["_planner_cache"] = PlannerCache()
-    return cache
-
-
-def reset_planner_cache(index: ParamIndex) -> None:
-    """Forget the geometry and templates cached on ``index``, and the specs made from a
-    merge's groups (to time a cold build, as a rank's first after a membership change)."""
-    index.__dict__.pop("_planner_cache", None)
-    if isinstance(index.specs, SpecTable):
-        index.specs.forget()
-
-

@@ -29,26 +29,31 @@ from __future__ import annotations
 import bisect
 import gc
 import hashlib
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from refit.errors import PlanError
 from refit.plan.buckets import DEFAULT_BUCKET_BYTES, Bucket, Op, itemsize, pack_buckets
-from refit.plan.forms import planner_cache
-from refit.plan.roster import ParamIndex
+from refit.plan.forms import PlannerCache
+from refit.plan.roster import ParamIndex, SpecTable
 from refit.plan.templates import PlannedBlock, PlanStats, StripeRef, rotation, serving_replica, window
 
 DEFAULT_STRIPE_BYTES = 4 << 20  # fan-out stripe grid (see build_rank_plan)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RankPlan:
+    """One rank's ops: what it sends and receives, packed into buckets per peer, and its
+    local copies. Frozen once built, as both ends of every transfer rely on the same
+    buckets; transports read it and never change it."""
+
     rank: int
     world_size: int
     bucket_bytes: int
-    key: tuple
+    key: tuple  # plan_key(...), plus a suffix for plans derived from another
     sends: list[Bucket] = field(default_factory=list)
     recvs: list[Bucket] = field(default_factory=list)
     local: list[Op] = field(default_factory=list)
@@ -132,8 +137,13 @@ def build_rank_plan(
     fanout: bool = False,
     fanout_domains: Any = None,
     fanout_stripe_bytes: int = DEFAULT_STRIPE_BYTES,
+    cache: PlanCache | None = None,
 ) -> RankPlan:
     """Build the ops of ``rank`` alone, from merged rosters.
+
+    The planning state (canonical forms, geometry, templates) is kept by ``cache`` for the
+    index's digest, so the other ranks' builds from an equal index reuse it; without a
+    cache, the module's shared one keeps it (``default_plan_cache``).
 
     ``fanout=True`` (opt-in) stripes every region that several destination ranks outside
     the source mesh need alike: the sources send each stripe once per group, to one
@@ -154,15 +164,16 @@ def build_rank_plan(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _build_rank_plan(index, rank, bucket_bytes, stats if stats is not None else PlanStats(), fanout,
-                                fanout_domains, fanout_stripe_bytes)
+        planner = (cache if cache is not None else _DEFAULT_CACHE).planner(index)
+        return _build_rank_plan(index, rank, planner, bucket_bytes, stats if stats is not None else PlanStats(),
+                                fanout, fanout_domains, fanout_stripe_bytes)
     finally:
         if collecting:
             gc.enable()
 
 
-def _build_rank_plan(index, rank, bucket_bytes, stats, fanout, fanout_domains, fanout_stripe_bytes) -> RankPlan:
-    cache = planner_cache(index)
+def _build_rank_plan(index: ParamIndex, rank: int, cache: PlannerCache, bucket_bytes: int, stats: PlanStats,
+                     fanout: bool, fanout_domains: Any, fanout_stripe_bytes: int) -> RankPlan:
     domains = normalize_domains(fanout_domains, index.world_size) if fanout else None
     stripe_bytes = fanout_stripe_bytes if fanout else None
     sends: dict[int, list[Op]] = defaultdict(list)
@@ -237,19 +248,15 @@ def _build_rank_plan(index, rank, bucket_bytes, stats, fanout, fanout_domains, f
                     o = ranks[owner]
                     for part in parts:
                         emit(grecvs[o], part.gathers, o, rank, g, gather=True)
-    plan = RankPlan(rank, index.world_size, bucket_bytes,
-                    plan_key(index, rank, bucket_bytes, fanout=fanout_key(fanout, stripe_bytes, domains)))
 
     def packed(by_peer: dict[int, list[Op]]) -> list[Bucket]:
         return sorted((b for p, o in by_peer.items() for b in pack_buckets(o, p, bucket_bytes)),
                       key=lambda b: (b.index, b.peer))
 
-    plan.sends = packed(sends)
-    plan.recvs = packed(recvs)
-    plan.local = sorted(local, key=Op.sort_key)
-    plan.gather_sends = packed(gsends)
-    plan.gather_recvs = packed(grecvs)
-    plan.fanout = fanout
+    plan = RankPlan(rank, index.world_size, bucket_bytes,
+                    plan_key(index, rank, bucket_bytes, fanout=fanout_key(fanout, stripe_bytes, domains)),
+                    sends=packed(sends), recvs=packed(recvs), local=sorted(local, key=Op.sort_key),
+                    gather_sends=packed(gsends), gather_recvs=packed(grecvs), fanout=fanout)
     stats.ops += len(local) + sum(len(v) for d in (sends, recvs, gsends, grecvs) for v in d.values())
     return plan
 
@@ -312,17 +319,44 @@ def plan_key(index: ParamIndex, rank: int, bucket_bytes: int, *, fanout: tuple |
 
 
 class PlanCache:
-    """Plans keyed on (world size, roster digest, rank, bucket size).
+    """Plans keyed on (world size, roster digest, rank, bucket size), and the planning state
+    (canonical forms, geometry, templates) of the last ``max_indexes`` indexes, keyed on
+    (world size, roster digest).
 
     The world size is in the key on purpose: a fleet that grows by an engine whose
     rosters happen to digest the same must not reuse a plan sized for the old world.
+    Indexes are frozen, so equal keys mean equal content: an index's planning state is
+    shared by every rank's build from it, and by a copy of it (one unpickled on another
+    rank, or merged again from the same rosters).
     """
 
-    def __init__(self, max_entries: int = 64):
+    def __init__(self, max_entries: int = 64, *, max_indexes: int = 4):
         self.max_entries = max_entries
+        self.max_indexes = max_indexes
         self._plans: dict[tuple, RankPlan] = {}
+        self._planners: OrderedDict[tuple[int, str], PlannerCache] = OrderedDict()
+        self._lock = threading.Lock()  # builds on several threads may share one cache
         self.hits = 0
         self.misses = 0
+
+    def planner(self, index: ParamIndex) -> PlannerCache:
+        """The planning state of ``index`` (made empty on first use; the least recently used
+        index's state is dropped past ``max_indexes``)."""
+        key = (index.world_size, index.digest)
+        with self._lock:
+            got = self._planners.get(key)
+            if got is None:
+                got = self._planners[key] = PlannerCache()
+                while len(self._planners) > self.max_indexes:
+                    self._planners.popitem(last=False)
+            else:
+                self._planners.move_to_end(key)
+            return got
+
+    def forget(self, index: ParamIndex) -> None:
+        """Drop the planning state of ``index`` (its plans stay cached)."""
+        with self._lock:
+            self._planners.pop((index.world_size, index.digest), None)
 
     def get(self, index: ParamIndex, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             fanout: bool = False, fanout_domains: Any = None,
@@ -335,11 +369,32 @@ class PlanCache:
             return plan
         self.misses += 1
         plan = build_rank_plan(index, rank, bucket_bytes=bucket_bytes, fanout=fanout, fanout_domains=domains,
-                               fanout_stripe_bytes=fanout_stripe_bytes)
+                               fanout_stripe_bytes=fanout_stripe_bytes, cache=self)
         if len(self._plans) >= self.max_entries:
             self._plans.pop(next(iter(self._plans)))
         self._plans[key] = plan
         return plan
 
     def clear(self) -> None:
+        """Drop every cached plan and every index's planning state."""
         self._plans.clear()
+        with self._lock:
+            self._planners.clear()
+
+
+_DEFAULT_CACHE = PlanCache()
+
+
+def default_plan_cache() -> PlanCache:
+    """The cache that keeps planning state for ``build_rank_plan`` calls given none (it
+    caches no plans: only ``PlanCache.get`` does)."""
+    return _DEFAULT_CACHE
+
+
+def reset_planner_cache(index: ParamIndex, cache: PlanCache | None = None) -> None:
+    """Forget the planning state kept for ``index`` (by ``cache``, or the shared one) and
+    the specs made from a merge's groups: to time a cold build, as a rank's first after a
+    membership change."""
+    (cache if cache is not None else _DEFAULT_CACHE).forget(index)
+    if isinstance(index.specs, SpecTable):
+        index.specs.forget()

@@ -220,37 +220,44 @@ class SpecTable(Mapping):
         self.__init__(state["groups"])
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ParamIndex:
-    """Merged rosters: one spec per param and, per rank, the params it touches."""
+    """Merged rosters: one spec per param and, per rank, the params it touches.
+
+    Frozen: every rank plans from the same index, and plans are cached under its digest,
+    so an index never changes after it is made. The planner's working state for an index
+    lives in a ``PlanCache`` (keyed on the digest), not on the index."""
 
     world_size: int
     specs: Mapping[str, ParamSpec]  # a dict, or a SpecTable
-    by_rank: dict[int, list[str]]
+    by_rank: Mapping[int, Sequence[str]]  # each rank's params, sorted
+    # a content key of the whole index (world size, names, shapes and layouts): computed
+    # from the specs when not given (``merge_rosters`` gives it, having the groups at hand)
+    digest: str = ""
 
-    @cached_property
-    def digest(self) -> str:
-        """A content key of the whole index (world size, names, shapes and layouts).
-
-        Params sharing their layouts are digested together (``index_digest``), so the cost
-        is one pass over the names plus one per distinct layout set."""
-        if isinstance(self.specs, SpecTable):
-            return index_digest(self.world_size, self.specs.groups)
-        by_id: dict[tuple[int, int], tuple] = {}
-        for name, s in self.specs.items():
-            got = by_id.get((id(s.src), id(s.dsts)))
-            if got is None:
-                got = by_id[(id(s.src), id(s.dsts))] = (s.src, s.dsts, [], [])
-            got[2].append(name)
-            got[3].append(s.shape)
-        return index_digest(self.world_size, by_id.values())
+    def __post_init__(self) -> None:
+        if not self.digest:
+            object.__setattr__(self, "digest", specs_digest(self.world_size, self.specs))
 
     def ranks(self) -> list[int]:
         return sorted(self.by_rank)
 
-    def __getstate__(self) -> dict:
-        # the planner's per-index cache (see refit.plan.forms.planner_cache) is local working memory
-        return {k: v for k, v in self.__dict__.items() if k != "_planner_cache"}
+
+def specs_digest(world_size: int, specs: Mapping[str, ParamSpec]) -> str:
+    """The digest of an index's specs (see ``ParamIndex.digest``).
+
+    Params sharing their layouts are digested together (``index_digest``), so the cost
+    is one pass over the names plus one per distinct layout set."""
+    if isinstance(specs, SpecTable):
+        return index_digest(world_size, specs.groups)
+    by_id: dict[tuple[int, int], tuple] = {}
+    for name, s in specs.items():
+        got = by_id.get((id(s.src), id(s.dsts)))
+        if got is None:
+            got = by_id[(id(s.src), id(s.dsts))] = (s.src, s.dsts, [], [])
+        got[2].append(name)
+        got[3].append(s.shape)
+    return index_digest(world_size, by_id.values())
 
 
 def roster_digest(names: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> str:
@@ -538,9 +545,7 @@ def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], wo
         if got is None:
             got = lists[ks] = sorted(itertools.chain.from_iterable(sig_names[k] for k in ks))
         by_rank[r] = got
-    index = ParamIndex(world_size, SpecTable(digest_groups), by_rank)
-    index.__dict__["digest"] = index_digest(world_size, digest_groups)  # the groups are at hand here
-    return index
+    return ParamIndex(world_size, SpecTable(digest_groups), by_rank, index_digest(world_size, digest_groups))
 
 
 Signature = tuple[Sequence[str], Sequence[tuple[int, ...]], list[_NameSet]]

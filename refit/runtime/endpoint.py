@@ -355,7 +355,7 @@ class _RefitEndpoint:
         if not host and "ray" in sys.modules:  # only if the actor already runs under Ray
             try:
                 host = sys.modules["ray"].util.get_node_ip_address()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 host = None
         host = host or "127.0.0.1"
         return host, free_port("" if host != "127.0.0.1" else host)
@@ -586,7 +586,7 @@ class _RefitEndpoint:
                 # the cause of the failure, which the controller must see as such, not as one
                 # more broken transfer among those it left behind on the other ranks
                 failure = (type(e), _first_line(e))
-            except Exception as e:  # noqa: BLE001 - re-raised below, without the broken group
+            except Exception as e:  # re-raised below, without the broken group
                 failure = (RefitAborted if isinstance(e, RefitAborted) else TransportError,
                            f"{self._refit_label()}: refit transfer failed (epoch {epoch}): "
                            f"{type(e).__name__}: {_first_line(e)}")
@@ -979,7 +979,7 @@ class EngineEndpoint(_RefitEndpoint):
         st.inconsistent_reason, st.consistent = reason, False
         try:
             self.on_weights_inconsistent(reason)
-        except Exception:  # noqa: BLE001 - the mark stands; raising here would strand the transfer's peers
+        except Exception:  # the mark stands; raising here would strand the transfer's peers
             log.exception("%s: on_weights_inconsistent raised", self._refit_label())
 
     def mark_weights_consistent(self) -> None:

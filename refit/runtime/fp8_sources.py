@@ -19,8 +19,9 @@ Each param's way is a ``QuantizeOp`` of the rank's ``QuantizationPlan``
   at once). Every one of them then holds the whole scale grid and sends it like a
   replicated tensor; the FP8 weight is made when the executor reaches it.
 
-Quantizing every shard before the first byte moved used to put all of it ahead of the
-wire (on one H200 the refit into FP8 engines took longer than the bf16 one it halves).
+Nothing is quantized ahead of the executor: quantizing every shard before the first byte
+moves puts all of that work ahead of the wire, and on one H200 makes the refit into FP8
+engines slower than the bf16 one it halves.
 """
 
 from __future__ import annotations

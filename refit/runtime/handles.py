@@ -344,7 +344,7 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None
                     method, a, kw = request
                     result = getattr(endpoint, method)(*a, **kw)
                 conn.send((call_id, True, result))
-            except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            except BaseException as e:  # every failure goes back to the caller
                 conn.send((call_id, False, sendable_error(e, traceback.format_exc())))
     finally:
         teardown = getattr(endpoint, "refit_teardown", None)
@@ -358,5 +358,5 @@ def sendable_error(e: BaseException, tb: str) -> BaseException:
     try:
         pickle.loads(pickle.dumps(e))
         return e
-    except Exception:  # noqa: BLE001
+    except Exception:
         return RefitError(f"{type(e).__name__}: {e}\n{tb}")

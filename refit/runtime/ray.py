@@ -108,7 +108,7 @@ class RayWorker:
 
             info = state.actors(actor_id=self.actor._actor_id.hex())
             return bool(info) and info.get("State") == "DEAD"
-        except Exception:  # noqa: BLE001 - the private API moved: fall back to "not known dead"
+        except Exception:  # the private API moved: fall back to "not known dead"
             return False
 
     @staticmethod
@@ -197,7 +197,7 @@ class RayFleet:
         for w in workers:
             try:
                 ray.kill(actors[w], no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
             self._pids.pop(actors[w], None)
             actors[w] = self._engine_cls.remote(shard=shard, worker=w, workers_per_shard=self.shard_sizes[shard],
@@ -212,6 +212,6 @@ class RayFleet:
         for a in [*self.trainers, *(a for s in self.engines for a in s)]:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         self.trainers, self.engines = [], []

@@ -152,7 +152,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1, 1), t
         for (s, w), (state, now, before) in asked.items():
             try:
                 consistent, new_bad, old_bad = state.result(10)["consistent"], now.result(10), before.result(10)
-            except Exception:  # noqa: BLE001 - killed since: it serves nothing
+            except Exception:  # killed since: it serves nothing
                 continue
             if not consistent:
                 fig["torn_named"] += 1
@@ -216,7 +216,7 @@ def run_chaos(kills: int = 12, *, seed: int | None = None, sizes=(2, 1, 1, 1), t
             t0 = time.monotonic()
             try:
                 res = sync.sync_weights()
-            except Exception as e:  # noqa: BLE001 - every error is judged below: named and bounded
+            except Exception as e:  # every error is judged below: named and bounded
                 res, error = None, e
             finally:
                 sync.on_phase = None  # a kill planned for a round this sync never reached must not hit the next one

@@ -513,7 +513,7 @@ class EngineWorker(EngineShard):
                     continue
                 log["requests"].append({"versions": versions, "tokens": tokens[0].tolist(),
                                         "end": time.perf_counter()})
-        except Exception as e:  # noqa: BLE001 - reported by stop_serving
+        except Exception as e:  # reported by stop_serving
             log["error"] = f"{type(e).__name__}: {e}"
 
     def serving_requests(self) -> int:

@@ -68,7 +68,7 @@ def serve_requests(conn, call: Callable[[Callable[..., Any], tuple, dict], Any])
         fn, args, kwargs = msg
         try:
             conn.send(("ok", call(fn, args, kwargs)))
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
+        except BaseException as e:  # reported to the parent
             conn.send(("err", (type(e).__name__, traceback.format_exc())))
 
 
@@ -193,7 +193,7 @@ def _device_worker(rank: int, world_size: int, port: int, secret: bytes, conn, p
         state["group"] = StatelessProcessGroup("127.0.0.1", port, rank, world_size, backend="nccl", device=dev,
                                                peer=peer, timeout_s=120, init_timeout_s=init_timeout_s,
                                                secret=secret)
-    except BaseException as e:  # noqa: BLE001 - reported on every request
+    except BaseException as e:  # reported on every request
         state["error"] = e
 
     def call(fn, args, kwargs):

@@ -184,7 +184,7 @@ class VllmFleet:
             for f in [*trainers, *hosts]:
                 try:
                     f.result()
-                except BaseException as e:  # noqa: BLE001 - every started process is closed below
+                except BaseException as e:  # every started process is closed below
                     errors.append(e)
             self.trainers = [f.result() for f in trainers if f.exception() is None]
             self.hosts = [f.result() if f.exception() is None else None for f in hosts]
@@ -265,7 +265,7 @@ class VllmFleet:
         def close(w) -> None:
             try:
                 w.close(timeout_s=30.0)
-            except Exception:  # noqa: BLE001 - best effort at teardown
+            except Exception:  # best effort at teardown
                 pass
 
         workers = [*self.trainers, *(h for h in self.hosts if h is not None)]

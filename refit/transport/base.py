@@ -5,10 +5,11 @@ to this rank's tensors once: it checks them against the plan, finds the blocks t
 straight from or into the tensors, sizes staging, registers memory. ``run`` moves one
 refit. ``close`` gives staging and registrations back.
 
-Executors used to be made afresh for every refit, so staging pools and cached views died
-each step, and a CPU refit cost 3-5x its steady state. Now a ``run`` checks only that it
-is handed the very tensors it was bound to (their identity and storage); anything else
-rebinds first, so a trainer that replaces its parameters between steps still works.
+Executors outlive a refit so that staging pools and cached views survive between steps:
+an executor made afresh for every refit makes a CPU refit cost 3-5x its steady state. A
+``run`` checks only that it is handed the very tensors it was bound to (their identity and
+storage); anything else rebinds first, so a trainer that replaces its parameters between
+steps still works.
 """
 
 from __future__ import annotations

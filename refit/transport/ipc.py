@@ -320,7 +320,7 @@ def _sweep_quietly() -> None:
     """The sweep a transport runs as it starts and at every build; never fails the build."""
     try:
         removed, _ = sweep_stale_segments()
-    except Exception as e:  # noqa: BLE001 - a sweep that fails leaves files behind, no more
+    except Exception as e:  # a sweep that fails leaves files behind, no more
         log.warning("could not sweep stale refit segments under %s: %s", SHM_DIR, e)
         return
     if removed:
@@ -912,7 +912,7 @@ class IpcTransport(OneSidedTransport):
                 for c in copies:
                     for d, src in c.pairs:
                         d.copy_(src)
-        except Exception as e:  # noqa: BLE001 - the eager copies are as correct, only slower
+        except Exception as e:  # the eager copies are as correct, only slower
             _FAILED_CAPTURES.append(graph)  # torch aborts the process when a failed capture is destroyed
             log.warning("rank %d: the copies from rank %d could not be captured as a CUDA graph (%s: %s); "
                         "they run eagerly", self.rank, peer, type(e).__name__, e)
@@ -1074,7 +1074,7 @@ class IpcTransport(OneSidedTransport):
             return  # a forked child's copy: closing it would mark the parent's transport gone to its peers
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:  # interpreter shutdown
             pass
 
     def __repr__(self) -> str:

@@ -352,7 +352,7 @@ class NixlTransport(OneSidedTransport):
             if got is not None:
                 try:
                     self.agent.deregister_memory(got[0])
-                except Exception as e:  # noqa: BLE001 - best effort: the memory goes anyway
+                except Exception as e:  # best effort: the memory goes anyway
                     log.warning("NIXL deregister of 0x%x failed: %s", ptr, e)
 
     def _release_handles(self, peer: int | None = None) -> None:
@@ -360,7 +360,7 @@ class NixlTransport(OneSidedTransport):
             _, h = self._handles.pop(key)
             try:
                 self.agent.release_xfer_handle(h)
-            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse release
+            except Exception:  # a handle of a dead peer may refuse release
                 pass
 
     # -- setup ------------------------------------------------------------------------------
@@ -505,7 +505,7 @@ class NixlTransport(OneSidedTransport):
                     self._drop_agent(e.agent_name)
                 try:
                     name = self.agent.add_remote_agent(e.metadata)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     raise NixlHandshakeError(f"rank {self.rank}: could not load the NIXL metadata of rank {p} "
                                              f"({e.agent_name}): {err}") from err
                 name = name.decode() if isinstance(name, bytes) else name
@@ -528,7 +528,7 @@ class NixlTransport(OneSidedTransport):
         self._loaded.pop(name, None)
         try:
             self.agent.remove_remote_agent(name)
-        except Exception as e:  # noqa: BLE001 - a dead agent may be gone already
+        except Exception as e:  # a dead agent may be gone already
             log.debug("remove_remote_agent(%s): %s", name, e)
 
     # -- notifications -------------------------------------------------------------------------
@@ -540,7 +540,7 @@ class NixlTransport(OneSidedTransport):
         name = self._remotes[peer].entry.agent_name
         try:
             self.agent.send_notif(name, msg)
-        except Exception as e:  # noqa: BLE001 - a dead peer's endpoint fails here
+        except Exception as e:  # a dead peer's endpoint fails here
             raise _PeerFailed(peer, f"unreachable while sending {what}: {type(e).__name__}: {e}") from None
 
     def _poll(self, seq: int) -> int:
@@ -840,13 +840,13 @@ class NixlTransport(OneSidedTransport):
                 h = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem_type),
                                                self.agent.get_xfer_descs(rdescs, remote.mem_type),
                                                remote.agent_name, b"")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise _PeerFailed(peer, f"could not set up the WRITE: {type(e).__name__}: {e}") from None
             self._handles[key] = (tuple(local), h)
         h = self._handles[key][1]
         try:
             state = self.agent.transfer(h, msg)
-        except Exception as e:  # noqa: BLE001 - e.g. the receiver disconnected
+        except Exception as e:  # e.g. the receiver disconnected
             self._release_handles_key(key)
             raise _PeerFailed(peer, f"WRITE failed: {type(e).__name__}: {e}") from None
         if state == "ERR":
@@ -859,7 +859,7 @@ class NixlTransport(OneSidedTransport):
         if got is not None:
             try:
                 self.agent.release_xfer_handle(got[1])
-            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse release
+            except Exception:  # a handle of a dead peer may refuse release
                 pass
 
     def _state(self, h, peer: int, seq: int) -> str:
@@ -867,7 +867,7 @@ class NixlTransport(OneSidedTransport):
             return "DONE"
         try:
             state = self.agent.check_xfer_state(h)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             state, why = "ERR", f"{type(e).__name__}: {e}"
         else:
             why = "transfer state ERR"

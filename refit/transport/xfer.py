@@ -342,7 +342,7 @@ def confirm_finished(comm, what: str) -> None:
         confirm = getattr(comm, "confirm", None)
         confirm() if confirm is not None else comm.barrier()
         return
-    except Exception as e:  # noqa: BLE001 - raised below, naming the ranks that did not finish
+    except Exception as e:  # raised below, naming the ranks that did not finish
         failure = _first_line(e)
     missing = "some peer"
     if store is not None:
@@ -351,7 +351,7 @@ def confirm_finished(comm, what: str) -> None:
             late = [r for r in range(comm.world_size) if r != comm.rank
                     and not (store.check([key.format(r)]) and store.get(key.format(r)) == done)]
             missing = f"rank(s) {late}" if late else missing
-        except Exception:  # noqa: BLE001 - the store's host is gone
+        except Exception:  # the store's host is gone
             missing = "rank 0 (the store's host)"
     raise TransportError(f"rank {comm.rank}: {what} finished here, but {missing} did not finish: {failure}")
 
@@ -474,7 +474,7 @@ class Resharder:
                     t, mesh, placements = _entry(role, name, value)
                     entries.append(RosterEntry.make(name, tuple(t.shape), dtype_name(t.dtype), mesh, placements, role))
                     local_shapes[role][name] = tuple(local_tensor_of(t).shape)
-        except Exception as e:  # noqa: BLE001 - every rank raises it, naming this rank, after the exchange
+        except Exception as e:  # every rank raises it, naming this rank, after the exchange
             error, settings = str(e), None
         gathered = self.comm.all_gather_object(ResharderRecord(group_roster(entries) if error is None else [],
                                                                local_shapes, settings, error))
@@ -530,7 +530,7 @@ class Resharder:
             confirm_finished(group, "the transfer")
             stats.cast_overflows = overflows
             return stats
-        except Exception as e:  # noqa: BLE001 - re-raised below, once this rank's connections are closed
+        except Exception as e:  # re-raised below, once this rank's connections are closed
             failure = _first_line(e)
         finally:
             if not self.closed:
@@ -566,7 +566,7 @@ class Resharder:
             try:
                 if r != group.rank and group.store.check([key]):
                     found.append(f"rank {r} failed: {group.store.get(key).decode(errors='replace')}")
-            except Exception:  # noqa: BLE001 - a store that went away tells nothing more
+            except Exception:  # a store that went away tells nothing more
                 break
         return "; ".join(found)
 
@@ -589,7 +589,7 @@ class Resharder:
         if group is not None and group.store is not None:
             try:
                 group.store.set(self._failure_key(group.rank), reason.encode())
-            except Exception:  # noqa: BLE001 - the store may be gone with its host
+            except Exception:  # the store may be gone with its host
                 pass
         if self.executor is not None:
             self.executor.close()

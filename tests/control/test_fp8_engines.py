@@ -57,7 +57,7 @@ def run_forward(engines: list[EngineShard]) -> torch.Tensor:
     def go(r):
         try:
             out[r] = engines[r].forward(PROMPT)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=go, args=(r,)) for r in range(len(engines))]

@@ -138,7 +138,7 @@ def trainer_rank(conn, rank: int, world: int, port: int, config_dict: dict, mode
             ready["children"] = [p.pid for p in children]
             ready["worker_pids"] = _worker_pids(children, tp)
         conn.send(Reply("ready", True, data=ready))
-    except BaseException as e:  # noqa: BLE001 - reported to the test
+    except BaseException as e:  # reported to the test
         conn.send(_failed("ready", e, 0.0))
         return
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -174,7 +174,7 @@ def trainer_rank(conn, rank: int, world: int, port: int, config_dict: dict, mode
                 if llm is not None:
                     llm.llm_engine.engine_core.shutdown()  # the engine core would outlive this process
             conn.send(Reply(cmd.op, True, time.monotonic() - t0, data=data))
-        except BaseException as e:  # noqa: BLE001 - reported to the test
+        except BaseException as e:  # reported to the test
             conn.send(_failed(cmd.op, e, time.monotonic() - t0))
         if cmd.op == "stop":
             return

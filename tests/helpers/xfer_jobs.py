@@ -128,7 +128,7 @@ def resharder_one_rank_fails(group, how: str, timeout_s: float):
                 raise RuntimeError("the batch was bad")
             resharder.run()
             resharder.close()
-    except Exception as e:  # noqa: BLE001 - reported to the test
+    except Exception as e:  # reported to the test
         return type(e).__name__, str(e), time.monotonic() - t0
     return "ok", "", time.monotonic() - t0
 
@@ -137,7 +137,7 @@ def _outcome(fn):
     """What ``fn()`` raised, as (type name, message); ("ok", result) when it returned."""
     try:
         return "ok", fn()
-    except Exception as e:  # noqa: BLE001 - reported to the test, whatever it is
+    except Exception as e:  # reported to the test, whatever it is
         return type(e).__name__, str(e)
 
 

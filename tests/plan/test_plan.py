@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import pickle
 from collections import defaultdict
 
 import numpy as np
@@ -19,6 +21,7 @@ from refit.plan import (
     PlanStats,
     RosterEntry,
     build_rank_plan,
+    default_plan_cache,
     merge_rosters,
     min_bytes_needed,
 )
@@ -203,6 +206,29 @@ def test_plan_cache_key_has_world_size_and_digest():
     changed = [("w", (8, 8), ([0], [Replicate()], "float32"), [([1], [Replicate()], "bfloat16")])]
     cache.get(merge_rosters(rosters_for(changed, 2), 2), 0)
     assert cache.misses == 3
+
+
+def test_index_and_plan_are_frozen_and_pickle_without_planning_state():
+    params = [("w", (8, 8), ([0], [Shard(0)], "float32"), [([1, 2], [Shard(1)], "float32")])]
+    index = merge_rosters(rosters_for(params, 3), 3)
+    cache = PlanCache()
+    plan = cache.get(index, 1)
+    for obj, attr, value in ((index, "world_size", 4), (index, "digest", "x"), (plan, "sends", []),
+                             (plan, "fanout", True)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, value)
+    assert not hasattr(index, "__dict__") and not hasattr(plan, "__dict__")  # nothing stashed on them
+    assert index.digest == merge_rosters(rosters_for(params, 3), 3).digest  # made with the index
+
+    copy = pickle.loads(pickle.dumps(index))
+    assert (copy.world_size, copy.digest, dict(copy.by_rank)) == (index.world_size, index.digest, dict(index.by_rank))
+    assert dict(copy.specs) == dict(index.specs)
+    assert b"PlannerCache" not in pickle.dumps(index)
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    # the planning state belongs to the cache, keyed on the digest: a copy of the index shares it
+    assert cache.planner(copy) is cache.planner(index)
+    assert cache.planner(index) is not default_plan_cache().planner(index)
+    assert build_rank_plan(copy, 1, cache=cache) == plan
 
 
 # -- bad input: clear errors naming the param and the ranks -------------------------------

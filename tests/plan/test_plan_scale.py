@@ -172,7 +172,7 @@ def kimi():
 
 
 def _cold(index, rank: int, repeats: int = 3):
-    """Fastest of ``repeats`` builds of one rank's plan, the index's caches dropped before each.
+    """Fastest of ``repeats`` builds of one rank's plan, the index's planning state dropped before each.
     CPU time, which is the wall time on an idle core and does not count other processes."""
     best, stats, _plan = None, None, None
     for _ in range(repeats):

@@ -95,10 +95,10 @@ def test_a_bad_layout_in_a_worker_process_is_refused_before_any_transfer():
 def test_a_worker_dying_inside_a_rebuilds_rendezvous_is_excluded_and_the_rebuild_retried(after_s):
     """A re-admitted worker dies a moment into the rendezvous of the rebuild that re-admits it.
 
-    Gloo waits five times its timeout for a peer to connect in, so the survivors used to sit
-    in refit_connect for 5 x the connect timeout, the controller gave up on all of them and
-    blamed every healthy worker. Now they are released within the connect timeout, the dead
-    one is named, its shard excluded and the build retried over the rest: the sync verifies.
+    Gloo waits five times its timeout for a peer to connect in, so survivors left to it would
+    sit in refit_connect for 5 x the connect timeout, and the controller would give up on all
+    of them and blame every healthy worker. They are released within the connect timeout: the
+    dead one is named, its shard excluded and the build retried over the rest, and the sync verifies.
     """
     from helpers.dying import DyingEngine
 

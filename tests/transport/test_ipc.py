@@ -109,7 +109,7 @@ def _stale_roster(group, what):
             t.update_membership({group.rank: e}, t.epoch + 1)
         elif what == "old epoch":
             t.update_membership(J._S["roster"], t.epoch)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return type(err).__name__, str(err)
     return None
 

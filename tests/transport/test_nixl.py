@@ -181,7 +181,7 @@ def _moved_destination(group):
     dst = {n: torch.empty_like(v) for n, v in J._S["dst"].items()}
     try:
         t.run(J._S["src"], dst, timeout_s=30)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return type(e).__name__, str(e)
     return None
 
@@ -194,7 +194,7 @@ def _reprepare_without_handshake(group):
     t.prepare(J._S["plan"], J._S["src"], dst)
     try:
         t.run(J._S["src"], dst, timeout_s=30)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return type(e).__name__, str(e)
     finally:
         t.prepare(J._S["plan"], J._S["src"], J._S["dst"])
@@ -205,6 +205,6 @@ def _roster_without_peer(group):
     t = J._S["transport"]
     try:
         t.update_membership({0: t.local_roster_entry()}, t.epoch + 1)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return type(e).__name__, str(e)
     return None

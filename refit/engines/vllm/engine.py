@@ -265,7 +265,7 @@ class VllmEngine:
                 if self.dead:
                     answers = WorkerDied(f"{self.name}: its process or a worker of it died")
                     break
-            except BaseException as e:  # noqa: BLE001 - handed to every worker's call
+            except BaseException as e:  # handed to every worker's call
                 answers = e
                 break
         for rank, (_, fut) in batch.items():

@@ -108,7 +108,7 @@ class RefitWorkerExtension:
             if method == "refit_transfer_poll":
                 return seal(self._refit_transfer_poll())
             return seal((True, getattr(ep, method)(*args, **kwargs)))
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, sealed
+        except BaseException as e:  # every failure goes back to the caller, sealed
             return seal((False, sendable_error(e, traceback.format_exc())))
 
     # -- refits while the engine keeps stepping ------------------------------------------
@@ -128,7 +128,7 @@ class RefitWorkerExtension:
         def run() -> None:
             try:
                 fut.set_result(answer(ep, transfer))
-            except BaseException as e:  # noqa: BLE001 - handed to the poll
+            except BaseException as e:  # handed to the poll
                 fut.set_exception(e)
 
         self._refit_pending = fut

@@ -247,7 +247,7 @@ class VllmServingHost(VllmEngineHost):
                     req.scheduled_ts = float(metrics.scheduled_ts)
                 if out.finished:
                     req.finish_reason = out.outputs[0].finish_reason
-        except BaseException as e:  # noqa: BLE001 - recorded with the request
+        except BaseException as e:  # recorded with the request
             req.error = f"{type(e).__name__}: {e}"
         finally:
             req.done = True

@@ -301,7 +301,7 @@ class TransferHub:
             tcp = dist.TCPStore(address, port, None, host, timeout=timedelta(seconds=max(deadline - time.monotonic(),
                                                                                           0.1)),
                                 wait_for_workers=False, **extra)
-        except Exception as e:  # noqa: BLE001 - torch raises several kinds; named below
+        except Exception as e:  # torch raises several kinds; named below
             if listener is not None:
                 listener.close()
             raise RefitWorkerError(f"refit weight transfer: cannot {'host' if host else 'reach'} the hub at "
@@ -350,7 +350,7 @@ class TransferHub:
             self._live().set(key, wire.pack(value))
         except _HubLost:
             raise
-        except Exception as e:  # noqa: BLE001 - the host is gone
+        except Exception as e:  # the host is gone
             raise _HubLost(_first_line(e)) from None
 
     def read(self, key: str) -> Any:
@@ -358,19 +358,19 @@ class TransferHub:
             return wire.unpack(self._live().get(key))
         except RendezvousTampered:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _HubLost(_first_line(e)) from None
 
     def add(self, key: str, amount: int) -> int:
         try:
             return self._live().add(key, amount)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _HubLost(_first_line(e)) from None
 
     def present(self, keys: list[str]) -> bool:
         try:
             return self._live().check(keys)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _HubLost(_first_line(e)) from None
 
     def wait_for(self, keys: list[str], until: float) -> bool:
@@ -394,7 +394,7 @@ class TransferHub:
         try:
             for k in keys:
                 self._live().delete_key(k)
-        except Exception:  # noqa: BLE001 - only a leak if the host is gone
+        except Exception:  # only a leak if the host is gone
             pass
 
     def close(self) -> None:
@@ -463,7 +463,7 @@ class _Party:
                     raise RefitError(f"no time left for the transfer within {self.timeout_s:g}s")
                 done = self.endpoint.refit_transfer(build.epoch, timeout_s=left, verify=self.verify)
                 report = {"sent": done.sent, "received": done.received, **self.params}
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised below
+        except Exception as e:  # reported to every rank, then raised below
             failure = e
         what = "weight update" if transfer else "init"
         outcome = {"epoch": build.epoch, "intact": self._has_group(), "report": report,
@@ -574,7 +574,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         error = None
         try:
             call()
-        except Exception as e:  # noqa: BLE001 - said on the hub and raised by the trainer ranks
+        except Exception as e:  # said on the hub and raised by the trainer ranks
             error = _first_line(e, 2000)
             logger.error("refit weight transfer, %s: %s", self.party.label, e)
         self.last_error = error
@@ -698,7 +698,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             try:
                 for call in engine_calls:
                     call()
-            except BaseException as e:  # noqa: BLE001 - raised below on the sender
+            except BaseException as e:  # raised below on the sender
                 failure.append(e)
 
         t = threading.Thread(target=remote, name="refit-vllm-client", daemon=True)
@@ -708,7 +708,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
         out = None
         try:
             out = local()
-        except Exception as e:  # noqa: BLE001 - raised below, with what the engines said
+        except Exception as e:  # raised below, with what the engines said
             local_error = e
         t.join(max(0.0, deadline + ENGINE_GRACE_S - time.monotonic()))
         engine_error, said = None, {}
