@@ -34,13 +34,13 @@ from refit.control.settle import brief, settle_before_propagating, wait_any
 from refit.control.verify import RankChecksums, verify_checksums
 from refit.errors import CastOverflowWarning, PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
-from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
+from refit.plan import DEFAULT_BUCKET_BYTES
+from refit.runtime.build import PlanOptions, connect_and_prepare
 from refit.runtime.endpoint import ConnectSpec
-from refit.runtime.handles import LocalWorker, WorkerDied
+from refit.runtime.handles import LocalWorker, WorkerDied, send_requests
 from refit.runtime.protocol import (
     CastOverflows,
     Commit,
-    Connect,
     Device,
     EndpointCall,
     EndpointFailed,
@@ -48,7 +48,6 @@ from refit.runtime.protocol import (
     PeerEntry,
     PeerMembership,
     Ping,
-    Prepare,
     PrepareCommit,
     Prepared,
     Rendezvous,
@@ -352,7 +351,7 @@ class _SynchronizerBase:
                     for s, ws in enumerate(self._engines) for i, w in enumerate(ws)
                     if shards is None or s in shards]
         dead = [m for m in workers if m.worker.is_dead()]
-        pings = {m: m.worker.request(Ping()) for m in workers if m not in dead}
+        pings = self._request_all([m for m in workers if m not in dead], Ping())
         settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
         silent = []
         for m, p in pings.items():
@@ -513,7 +512,13 @@ class _SynchronizerBase:
         raise error
 
     def _request_all(self, members: Sequence[_Member], call: EndpointCall) -> dict[_Member, Any]:
-        return {m: m.worker.request(call) for m in members}
+        return self._request_each({m: call for m in members})
+
+    @staticmethod
+    def _request_each(calls: Mapping[_Member, EndpointCall]) -> dict[_Member, Any]:
+        """Each member's call; an engine whose workers are reached together gets its share as one message."""
+        sent = send_requests({m.worker: call for m, call in calls.items()})
+        return {m: sent[m.worker] for m in calls}
 
     def _share(self, obj: Any) -> Any:
         """Put a large argument where every worker can fetch it once (Ray's object store)."""
@@ -549,30 +554,28 @@ class _SynchronizerBase:
         backend = self._backend_for(members, timeout)
         addr, port = self._round("rendezvous", {root: root.worker.request(Rendezvous())}, timeout)[root]
         secret, nonce = new_secret(), secrets.token_bytes(16)
-        calls = {}
         sent_at = time.time()
-        for m in members:
-            size = None if m.shard is None else membership.shard_size(m.shard)
-            spec = ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
-                               mesh_offset=m.first_rank, mesh_size=size, label=m.label, backend=backend,
-                               secret=secret, sent_at=sent_at, nonce=nonce)
-            calls[m] = m.worker.request(Connect(spec))
-        rosters = self._round("connect", calls, timeout + connect_s, stragglers_s=connect_s)
-        by_rank = {m.rank: rosters[m] for m in members}
-        try:
-            index = merge_rosters(by_rank, membership.world_size)
-        except RefitError as e:
-            legend = ", ".join(f"{m.rank}={m.label}" for m in members)
-            raise type(e)(f"{e} [ranks: {legend}]") from None
-        self._check_coverage(index, members)
-        shared = self._share(index)
-        extra = ({"nodes": self._nodes(members, timeout), "across": self.across_nodes} if self.transport == "auto"
-                 else {})
-        prepare = Prepare(shared, epoch=epoch, mode=self.mode, bucket_bytes=self.bucket_bytes,
-                          transport=self.transport or "auto", **extra)
-        prepared = self._round("prepare", self._request_all(members, prepare), timeout)
+        specs = {m.rank: ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
+                                     mesh_offset=m.first_rank,
+                                     mesh_size=None if m.shard is None else membership.shard_size(m.shard),
+                                     label=m.label, backend=backend, secret=secret, sent_at=sent_at, nonce=nonce)
+                 for m in members}
+        by_rank = {m.rank: m for m in members}
+
+        def run(calls: Mapping[int, EndpointCall], phase: str) -> dict[int, Any]:
+            # a connect waits out the rendezvous on every worker: the stragglers' own deadline
+            limit, stragglers = (timeout + connect_s, connect_s) if phase == "connect" else (timeout, None)
+            replies = self._round(phase, self._request_each({by_rank[r]: c for r, c in calls.items()}), limit,
+                                  stragglers_s=stragglers)
+            return {m.rank: reply for m, reply in replies.items()}
+
+        options = PlanOptions(mode=self.mode, bucket_bytes=self.bucket_bytes, transport=self.transport or "auto",
+                              **({"nodes": self._nodes(members, timeout), "across": self.across_nodes}
+                                 if self.transport == "auto" else {}))
+        built = connect_and_prepare(run, specs, options, labels={m.rank: m.label for m in members},
+                                    check_index=lambda index: self._check_coverage(index, members), share=self._share)
         # what each bucket carries only changes with the plan: kept for the verification reports
-        self._bucket_params = {m.rank: prepared[m] for m in members}
+        self._bucket_params = dict(built.prepared)
         if self.transport in (*ONE_SIDED, "auto"):
             # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
             # controller relays the roster: new peers are loaded or mapped point to point
@@ -682,7 +685,7 @@ class _SynchronizerBase:
             # The live communicator has ranks of the old workers: the membership may read the
             # same, but those ranks are gone, so the next sync must rebuild.
             self._broken = True
-        live = [w.request(Teardown()) for w in old if not w.is_dead()]
+        live = list(send_requests({w: Teardown() for w in old if not w.is_dead()}).values())
         settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
 
     # -- sync --------------------------------------------------------------------------------
@@ -1034,17 +1037,13 @@ class _SynchronizerBase:
         a frozen worker does not cost a failing refit another timeout.
         """
         timeout = self.ping_timeout_s if timeout_s is None else timeout_s
-        # every worker of a shard is asked at once: an engine may reach its workers only together
-        asked = {}
-        for s, ws in enumerate(self._engines):
-            for i, w in enumerate(ws):
-                label = f"shard {s} worker {i}"
-                if w.is_dead():
-                    continue
-                if label not in silent:
-                    with contextlib.suppress(Exception):  # judged below by what it was sent
-                        asked[label] = (w, w.request(WeightsState()))
-                asked.setdefault(label, (w, None))
+        # every worker is asked at once: an engine that reaches its workers together gets one message
+        workers = {f"shard {s} worker {i}": w for s, ws in enumerate(self._engines) for i, w in enumerate(ws)
+                   if not w.is_dead()}
+        sent: dict[Any, Any] = {}
+        with contextlib.suppress(Exception):  # judged below by what it was sent
+            sent = send_requests({w: WeightsState() for label, w in workers.items() if label not in silent})
+        asked = {label: (w, sent.get(w)) for label, w in workers.items()}
         settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
         torn = []
         for label, (w, p) in asked.items():
@@ -1088,8 +1087,8 @@ class _SynchronizerBase:
         if self._closed:
             return
         self._closed = True
-        calls = [w.request(Teardown()) for w in [*self._trainers, *(w for s in self._engines for w in s)]
-                 if not w.is_dead()]
+        calls = list(send_requests({w: Teardown() for w in [*self._trainers, *(w for s in self._engines for w in s)]
+                                    if not w.is_dead()}).values())
         settle_before_propagating(calls, self.ping_timeout_s + self.grace_s, "shutdown")
         self._drain_abandoned()
         for w in [*self._trainers, *(w for s in self._engines for w in s)]:

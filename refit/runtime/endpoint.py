@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -706,6 +707,23 @@ class _RefitEndpoint:
                 "ipc_name": getattr(st.one_sided, "name", None),
                 "one_sided_rank": st.one_sided.rank if st.one_sided is not None else None,
                 "nixl_rank": st.one_sided.rank if getattr(st.one_sided, "agent_name", None) else None}
+
+    def refit_connected(self) -> bool:
+        """Whether this rank holds a live refit communicator (built, and not aborted since)."""
+        group = self._refit_state().group
+        return group is not None and not group.aborted
+
+    def refit_all_gather(self, value: Any, timeout_s: float) -> list[Any]:
+        """Every rank's ``value``, by rank, over this build's communicator, within ``timeout_s``.
+
+        Ranks that run a build without a controller (the vLLM weight-transfer engine) swap
+        their rosters so; with a controller, it gathers them instead.
+        """
+        group = self._refit_state().group
+        if group is None:
+            raise RefitError(f"{self._refit_label()} has no refit communicator to gather over; connect first")
+        group.store.set_timeout(timedelta(seconds=max(timeout_s, 0.1)))
+        return group.all_gather_object(value)
 
     def refit_abort(self) -> None:
         """Abort this rank's communicator and NIXL transport now, from any thread (idempotent).

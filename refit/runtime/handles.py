@@ -19,14 +19,14 @@ import signal
 import socket
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from refit.errors import RefitError
 from refit.runtime.protocol import EndpointCall, answer
 
-__all__ = ["FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle", "WorkerTimeout",
-           "listening_sockets", "pid_alive", "sendable_error"]
+__all__ = ["BatchedWorkers", "FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle",
+           "WorkerTimeout", "listening_sockets", "pid_alive", "send_requests", "sendable_error"]
 
 
 class WorkerDied(RefitError):
@@ -45,13 +45,39 @@ class Pending(Protocol):
 
 
 class WorkerHandle(Protocol):
-    """How the controller reaches one worker, whatever runs it."""
+    """How the controller reaches one worker, whatever runs it.
+
+    ``batch`` is set on the handles of workers that are reached together (a vLLM engine's):
+    ``send_requests`` sends a round's calls to them as one message.
+    """
 
     name: str
+    batch: BatchedWorkers | None
 
     def request(self, call: EndpointCall) -> Pending: ...
     def call(self, method: str, *args: Any, **kwargs: Any) -> Pending: ...
     def is_dead(self) -> bool: ...
+
+
+class BatchedWorkers(Protocol):
+    """Workers reached together, as one engine reaches its own: one message carries a round's calls."""
+
+    def request_batch(self, calls: Mapping[Any, EndpointCall]) -> dict[Any, Pending]: ...
+
+
+def send_requests(calls: Mapping[Any, EndpointCall]) -> dict[Any, Pending]:
+    """Send each worker handle its call; the calls to workers of one batch go as one message."""
+    out: dict[Any, Pending] = {}
+    batches: dict[int, tuple[BatchedWorkers, dict[Any, EndpointCall]]] = {}
+    for worker, call in calls.items():
+        batch = getattr(worker, "batch", None)
+        if batch is None:
+            out[worker] = worker.request(call)
+        else:
+            batches.setdefault(id(batch), (batch, {}))[1][worker] = call
+    for batch, group in batches.values():
+        out.update(batch.request_batch(group))
+    return out
 
 
 class FuturePending:
@@ -95,6 +121,8 @@ class LocalWorker:
     close to a process death as a thread can come.
     """
 
+    batch = None
+
     def __init__(self, endpoint: Any, name: str | None = None):
         self.endpoint = endpoint
         self.name = name or type(endpoint).__name__
@@ -136,6 +164,8 @@ class ProcessWorker:
     ``daemon=False`` lets the endpoint start processes of its own (a vLLM engine does); the
     child still ends when this handle's end of the pipe closes.
     """
+
+    batch = None
 
     def __init__(self, factory: Callable[..., Any], *args: Any, name: str | None = None,
                  start_timeout_s: float = 120.0, daemon: bool = True, **kwargs: Any):

@@ -89,6 +89,8 @@ class _RayPending:
 class RayWorker:
     """Drives one Ray actor that mixes in a refit endpoint."""
 
+    batch = None
+
     def __init__(self, actor: Any, name: str = "worker"):
         self.actor = actor
         self.name = name

@@ -8,9 +8,10 @@ turns a handle to the host into one shard of worker handles for the synchronizer
     host = ProcessWorker(VllmEngineHost, model=path, tensor_parallel_size=2, dtype="float32")
     sync = ReshardWeightSynchronizer(trainers, [VllmEngine(host, tp=2).workers])
 
-vLLM reaches its workers only all at once (``collective_rpc``), so the handles of one
-engine collect the calls of a round (one ``refit.runtime.protocol`` record per worker,
-which is how the synchronizer calls a shard) and send them as one sealed batch.
+vLLM reaches its workers only all at once (``collective_rpc``). The engine's worker
+handles share it as their ``batch``, so the controller sends a round's calls to them (one
+``refit.runtime.protocol`` record per worker) as one message, which the host seals and
+hands to every worker at once.
 
 Generation never sees partial weights. Calls to a host run one at a time, so nothing
 generates while a refit moves bytes; in loader mode the live weights change only at the
@@ -26,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from refit.engines.vllm.extension import EXTENSION, KEY_ENV, REQUESTS, new_key, open_sealed, seal
@@ -212,9 +213,6 @@ class VllmEngine:
         # worker processes on this machine are watched directly: the host answers one call at
         # a time, so asking it would wait behind the very refit whose worker died
         self._local = info["host"] == socket.gethostname()
-        self._lock = threading.Lock()
-        self._rounds: dict[int, dict[int, tuple[EndpointCall, cf.Future]]] = {}
-        self._issued = [0] * self.tp
         self.workers = [VllmWorkerHandle(self, r) for r in range(self.tp)]
 
     @property
@@ -231,27 +229,26 @@ class VllmEngine:
         """The host's ``weights_state()``: whether the engine serves, and each worker's record."""
         return self.host.call("weights_state").result(timeout_s)
 
-    def _submit(self, rank: int, call: EndpointCall) -> cf.Future:
-        fut: cf.Future = cf.Future()
-        with self._lock:
-            seq = self._issued[rank]
-            self._issued[rank] += 1
-            batch = self._rounds.setdefault(seq, {})
-            batch[rank] = (call, fut)
-            if len(batch) < self.tp:
-                return fut
-            del self._rounds[seq]
-        kinds = {type(c).__name__ for c, _ in batch.values()}
-        if len(kinds) != 1:
-            err = RefitError(f"{self.name}: the workers of one engine were sent different calls in one round "
-                             f"({sorted(kinds)}); an engine's workers are driven together")
-            for _, f in batch.values():
-                f.set_exception(err)
-            return fut
-        pending = self.host.call("refit_requests", {r: c for r, (c, _) in batch.items()})
-        threading.Thread(target=self._deliver, args=(pending, batch), daemon=True,
-                         name=f"refit-{self.name}-{call.phase}").start()
-        return fut
+    def request_batch(self, calls: Mapping[VllmWorkerHandle, EndpointCall]) -> dict[VllmWorkerHandle, FuturePending]:
+        """One round of the controller's calls to this engine's workers, sent to the host as one message.
+
+        The answers come back together, one per worker addressed.
+        """
+        futures = {h: cf.Future() for h in calls}
+        batch = {h.rank: (call, futures[h]) for h, call in calls.items()}
+        if self.dead:
+            for fut in futures.values():
+                fut.set_exception(WorkerDied(f"{self.name} is dead"))
+        else:
+            kinds = {type(c).__name__ for c in calls.values()}
+            if len(kinds) != 1:
+                raise RefitError(f"{self.name}: the workers of one engine were sent different calls in one round "
+                                 f"({sorted(kinds)}); an engine's workers are driven together")
+            phase = next(iter(calls.values())).phase
+            pending = self.host.call("refit_requests", {rank: c for rank, (c, _) in batch.items()})
+            threading.Thread(target=self._deliver, args=(pending, batch), daemon=True,
+                             name=f"refit-{self.name}-{phase}").start()
+        return {h: FuturePending(fut, h) for h, fut in futures.items()}
 
     def _deliver(self, pending: Any, batch: dict) -> None:
         while True:
@@ -286,6 +283,7 @@ class VllmWorkerHandle:
 
     def __init__(self, engine: VllmEngine, rank: int):
         self.engine = engine
+        self.batch = engine  # the controller's round reaches the engine's workers as one message
         self.rank = rank
         self.name = f"{engine.name} worker {rank}"
 
@@ -297,11 +295,8 @@ class VllmWorkerHandle:
         return self.engine.dead
 
     def request(self, call: EndpointCall) -> FuturePending:
-        if self.engine.dead:
-            fut: cf.Future = cf.Future()
-            fut.set_exception(WorkerDied(f"{self.name} is dead"))
-            return FuturePending(fut, self)
-        return FuturePending(self.engine._submit(self.rank, call), self)
+        """This worker's call alone (the engine's other workers are not addressed)."""
+        return self.engine.request_batch({self: call})[self]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
         raise RefitError(f"{self.name}: a vLLM worker takes refit's calls only (request); call the engine's host "

@@ -85,8 +85,10 @@ from refit.control.errors import RefitWorkerError
 from refit.control.verify import RankChecksums, verify_checksums
 from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
 from refit.errors import RefitError
-from refit.plan import DEFAULT_BUCKET_BYTES, merge_rosters
+from refit.plan import DEFAULT_BUCKET_BYTES
+from refit.runtime.build import PlanOptions, connect_and_prepare
 from refit.runtime.endpoint import ConnectSpec, TrainerEndpoint, as_local_shard
+from refit.runtime.protocol import EndpointCall
 
 __all__ = ["ENGINE_GRACE_S", "SETTLE_S", "LLMWeightSyncClient", "RefitBuild", "RefitInitInfo",
            "RefitTrainerInitInfo", "RefitTrainerWeightTransferEngine", "RefitUpdateInfo", "RefitWeightSource",
@@ -444,8 +446,7 @@ class _Party:
         self.intact = False
 
     def _has_group(self) -> bool:
-        group = self.endpoint._refit_state().group
-        return group is not None and not group.aborted
+        return self.endpoint.refit_connected()
 
     def run(self, step: int, build: RefitBuild, *, transfer: bool, deadline: float) -> None:
         """This rank's share of call ``step`` over ``build``, then the verdict every rank reaches alike."""
@@ -492,22 +493,27 @@ class _Party:
             verify_checksums({r: RankChecksums(**o["report"]) for r, o in outcomes.items()}, self.labels)
 
     def _connect(self, build: RefitBuild, deadline: float) -> None:
-        """Join ``build``, exchange rosters over it, plan: what the controller does, done by every rank."""
+        """Join ``build`` and plan over it: the controller's build sequence, run by every rank for itself."""
         self.build = None
         seat = self.seat
         spec = ConnectSpec(self.address, build.port, seat.rank, seat.world_size, build.epoch,
                            max(deadline - time.monotonic(), 0.1), mesh_offset=seat.mesh_offset,
                            mesh_size=seat.mesh_size, label=self.label, secret=build.secret(self.secret))
-        roster = self.endpoint.refit_connect(spec)
+
+        def run(calls: Mapping[int, EndpointCall], phase: str) -> dict[int, Any]:
+            reply = calls[seat.rank].apply(self.endpoint)
+            if phase != "connect":
+                return {seat.rank: reply}
+            # no controller gathers the rosters: the ranks swap them over the communicator they joined
+            return dict(enumerate(self.endpoint.refit_all_gather(reply, deadline - time.monotonic())))
+
         try:
-            group = self.endpoint._refit_state().group
-            group.store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
-            gathered = group.all_gather_object(roster)
-            index = merge_rosters(dict(enumerate(gathered)), seat.world_size)
-            prepared = self.endpoint.refit_prepare(index, epoch=build.epoch, bucket_bytes=self.bucket_bytes)
+            built = connect_and_prepare(run, {seat.rank: spec}, PlanOptions(bucket_bytes=self.bucket_bytes),
+                                        labels={r: label for r, (label, _) in self.labels.items()})
         except Exception:
             self.endpoint.refit_teardown()  # releases the peers blocked on this rank
             raise
+        prepared = built.prepared[seat.rank]
         self.params = {"send_params": prepared.send_params, "recv_params": prepared.recv_params}
         self.build = build
 
