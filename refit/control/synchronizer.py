@@ -57,7 +57,7 @@ from refit.runtime.protocol import (
     WeightsState,
 )
 from refit.runtime.workers import as_worker
-from refit.transport.factory import ONE_SIDED
+from refit.transport.factory import TransportRequest, choose_transport
 
 __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]
 
@@ -223,17 +223,7 @@ class _SynchronizerBase:
             raise RefitError("a synchronizer needs at least one generation shard, each with at least one worker")
         _check_settings(refit_timeout_s=refit_timeout_s, ping_timeout_s=ping_timeout_s, grace_s=grace_s,
                         connect_timeout_s=connect_timeout_s, bucket_bytes=bucket_bytes)
-        if transport not in (None, "auto", *ONE_SIDED):
-            raise RefitError(f"transport must be None, 'auto', 'nixl' or 'ipc', got {transport!r}")
-        if transport in (*ONE_SIDED, "auto") and self.mode != "reshard":
-            raise RefitError(f"transport={transport!r} moves the shard-to-shard plans; use ReshardWeightSynchronizer")
-        if across_nodes not in ("communicator", "nixl"):
-            raise RefitError(f"across_nodes must be 'communicator' or 'nixl', got {across_nodes!r}")
-        if across_nodes != "communicator" and transport != "auto":
-            raise RefitError(f"across_nodes={across_nodes!r} chooses how transport='auto' crosses nodes; "
-                             f"transport is {transport!r}")
-        if backend not in ("auto", "gloo", "nccl"):
-            raise RefitError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+        self._transport = TransportRequest(transport, backend, across_nodes, self.mode)
         self.transport = transport
         self.backend = backend
         self.across_nodes = across_nodes
@@ -551,14 +541,16 @@ class _SynchronizerBase:
         timeout = self._round_timeout_s()
         connect_s = self._cap_worker(self.connect_timeout_s)
         root = members[0]
-        backend = self._backend_for(members, timeout)
+        devices = self._devices_of(members, timeout) if self._transport.needs_devices else None
+        choice = choose_transport(self._transport, None if devices is None else {m.rank: d for m, d in devices.items()},
+                                  {m.rank: m.label for m in members})
         addr, port = self._round("rendezvous", {root: root.worker.request(Rendezvous())}, timeout)[root]
         secret, nonce = new_secret(), secrets.token_bytes(16)
         sent_at = time.time()
         specs = {m.rank: ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
                                      mesh_offset=m.first_rank,
                                      mesh_size=None if m.shard is None else membership.shard_size(m.shard),
-                                     label=m.label, backend=backend, secret=secret, sent_at=sent_at, nonce=nonce)
+                                     label=m.label, backend=choice.backend, secret=secret, sent_at=sent_at, nonce=nonce)
                  for m in members}
         by_rank = {m.rank: m for m in members}
 
@@ -569,14 +561,12 @@ class _SynchronizerBase:
                                   stragglers_s=stragglers)
             return {m.rank: reply for m, reply in replies.items()}
 
-        options = PlanOptions(mode=self.mode, bucket_bytes=self.bucket_bytes, transport=self.transport or "auto",
-                              **({"nodes": self._nodes(members, timeout), "across": self.across_nodes}
-                                 if self.transport == "auto" else {}))
+        options = PlanOptions(mode=self.mode, bucket_bytes=self.bucket_bytes, transport=choice)
         built = connect_and_prepare(run, specs, options, labels={m.rank: m.label for m in members},
                                     check_index=lambda index: self._check_coverage(index, members), share=self._share)
         # what each bucket carries only changes with the plan: kept for the verification reports
         self._bucket_params = dict(built.prepared)
-        if self.transport in (*ONE_SIDED, "auto"):
+        if choice.one_sided:
             # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
             # controller relays the roster: new peers are loaded or mapped point to point
             entries = self._round(f"{self.transport} handshake", self._request_all(members, PeerEntry(epoch)),
@@ -587,33 +577,6 @@ class _SynchronizerBase:
         self._built, self._members = membership, members
         self._initialized, self._broken = True, False
 
-    def _backend_for(self, members: Sequence[_Member], timeout: float) -> str:
-        """The backend of this build; with NIXL the communicator only carries control (gloo)."""
-        if self.transport in ONE_SIDED or self.backend == "gloo" or self.across_nodes == "nixl":
-            return "gloo"  # the communicator carries control only
-        devices = self._devices_of(members, timeout)
-        if self.transport == "auto" and len({_node(d) for d in devices.values()}) == 1:
-            return "gloo"  # every pair moves over IPC: the communicator carries control only
-        kinds: dict[str, list[str]] = {}
-        for m in members:
-            kinds.setdefault(devices[m]["type"], []).append(f"{m.label} (rank {m.rank})")
-        if self.backend == "auto" and set(kinds) == {"cpu"}:
-            return "gloo"
-        if set(kinds) != {"cuda"}:
-            where = "; ".join(f"on {k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
-            raise PlanError(f"backend={self.backend!r}: one communicator moves tensors of one kind of device, "
-                            f"every rank's on a GPU (NCCL) or every rank's on the host (gloo); {where}")
-        seen: dict[tuple[str, str], str] = {}
-        for m in members:
-            d = devices[m]
-            key = (d["host"], d["uuid"])
-            if key in seen:
-                raise PlanError(f"{seen[key]} and {m.label} (rank {m.rank}) are both on GPU {d['index']} "
-                                f"({d['uuid']}) of host {d['host']}: NCCL allows one rank per GPU in a "
-                                "communicator; give every trainer rank and engine worker its own GPU")
-            seen[key] = f"{m.label} (rank {m.rank})"
-        return "nccl"
-
     def _devices_of(self, members: Sequence[_Member], timeout: float) -> dict[_Member, dict]:
         """Every member's ``refit_device()``; a worker's device does not change while its
         process lives, so each worker is asked once."""
@@ -622,10 +585,6 @@ class _SynchronizerBase:
             for m, d in self._round("devices", self._request_all(unknown, Device()), timeout).items():
                 self._devices[id(m.worker)] = (m.worker, d)  # the handle is held: its id stays its own
         return {m: self._devices[id(m.worker)][1] for m in members}
-
-    def _nodes(self, members: Sequence[_Member], timeout: float) -> dict[int, str]:
-        """Each member's node, by rank (``transport="auto"`` splits the plan by it)."""
-        return {m.rank: _node(d) for m, d in self._devices_of(members, timeout).items()}
 
     def _check_coverage(self, index, members: Sequence[_Member]) -> None:
         """Every engine rank must need something, or its shard would silently receive nothing."""
@@ -1104,10 +1063,6 @@ class _SynchronizerBase:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _node(device: Mapping[str, Any]) -> str:
-    return device.get("node") or device["host"]
 
 
 class ReshardWeightSynchronizer(_SynchronizerBase):

@@ -18,6 +18,7 @@ from refit.errors import RefitError
 from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, merge_rosters
 from refit.runtime.endpoint import ConnectSpec
 from refit.runtime.protocol import Connect, EndpointCall, Prepare, Prepared
+from refit.transport.factory import COMMUNICATOR, TransportChoice
 
 __all__ = ["Built", "PlanOptions", "RunStep", "connect_and_prepare"]
 
@@ -31,9 +32,7 @@ class PlanOptions:
 
     mode: str = "reshard"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    transport: str = "auto"
-    nodes: Mapping[int, str] | None = None  # every rank's node, where pairs inside a node move over IPC
-    across: str = "communicator"
+    transport: TransportChoice = COMMUNICATOR  # the communicator, unless the controller chose otherwise
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,6 @@ def connect_and_prepare(run: RunStep, specs: Mapping[int, ConnectSpec], options:
         check_index(index)
     shared = index if share is None else share(index)
     prepare = Prepare(shared, epoch=epoch, mode=options.mode, bucket_bytes=options.bucket_bytes,
-                      transport=options.transport, nodes=options.nodes, across=options.across)
+                      transport=options.transport)
     prepared = run({rank: prepare for rank in specs}, "prepare")
     return Built(index, prepared)

@@ -55,7 +55,7 @@ from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
 from refit.transport.casts import find_overflows, narrowing_casts
-from refit.transport.factory import ONE_SIDED, make_executor
+from refit.transport.factory import COMMUNICATOR, TransportChoice, make_executor
 from refit.transport.ipc import node_id, sweep_stale_segments
 from refit.transport.one_sided import RosterEntries
 
@@ -218,8 +218,9 @@ class _State:
     commits: int = 0  # refits committed and loaded by this endpoint
     # the transport object of a one-sided transport (NixlTransport for "nixl", IpcTransport for
     # "ipc"): it outlives plans, and its roster entries are relayed by the controller
+    transport: TransportChoice = COMMUNICATOR  # the build's, as the controller chose it
     one_sided: Any = None
-    across: Any = None  # transport="auto" with NIXL across nodes: the NixlTransport of the far pairs
+    across: Any = None  # split by node with NIXL across nodes: the NixlTransport of the far pairs
     quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
     # params this trainer rank sends into a destination dtype of smaller range -> those dtypes
     narrowing: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -443,24 +444,24 @@ class _RefitEndpoint:
         return group_roster(entries, fp8_block=block)
 
     def refit_prepare(self, index: ParamIndex, *, epoch: int, mode: str = "reshard",
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto",
-                      nodes: Mapping[int, str] | None = None, across: str = "communicator") -> Prepared:
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      transport: TransportChoice = COMMUNICATOR) -> Prepared:
         """Build this rank's plan from the merged rosters, and its executor, bound to its tensors.
 
         The executor lives until the next build and runs every transfer of this one, so
         its staging and its views of the tensors are made once. What each bucket carries
         (param names, for verification reports) is returned here, once per build.
-        ``transport="auto"`` with ``nodes`` (every rank's node): the pairs inside this
-        rank's node move over IPC and the others over the communicator, or over NIXL
-        (``across="nixl"``), at once.
+        ``transport`` is the controller's choice for this build (``choose_transport``): the
+        communicator, a one-sided channel, or split by node (the pairs inside this rank's
+        node over IPC and the others over the communicator or NIXL, at once).
         """
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_prepare")
             if mode not in MODES:
                 raise RefitError(f"refit_prepare: mode must be one of {MODES}, got {mode!r}")
-            if transport in ONE_SIDED and mode != "reshard":
-                raise RefitError(f"refit_prepare: transport={transport!r} moves reshard plans only")
+            if transport.one_sided and mode != "reshard":
+                raise RefitError(f"refit_prepare: {transport} moves reshard plans only")
             t0 = time.perf_counter()
             rank = st.spec.rank
             st.mode = mode
@@ -494,8 +495,7 @@ class _RefitEndpoint:
             else:
                 plan = BroadcastPlan.build(index, rank)
                 send_params, recv_params = plan.params_by_bucket()
-            split = transport == "auto" and mode == "reshard" and nodes is not None
-            wanted = "ipc" if split else transport if transport in ONE_SIDED else None
+            wanted = transport.near_channel
             if st.one_sided is not None and st.one_sided.transport != wanted:
                 st.one_sided.close()
                 st.one_sided = None
@@ -509,19 +509,18 @@ class _RefitEndpoint:
                     from refit.transport.ipc import IpcTransport
 
                     st.one_sided = IpcTransport(rank, device=device, timeout_s=None)
-            if st.across is not None and not (split and across == "nixl"):
+            if st.across is not None and transport.far_channel is None:
                 st.across.close()
                 st.across = None
-            if split and across == "nixl" and st.across is None:
+            if transport.far_channel is not None and st.across is None:
                 from refit.transport.nixl import NixlTransport
 
                 st.across = NixlTransport(rank, device=device, timeout_s=None)
-            near = {r for r, n in nodes.items() if n == nodes.get(rank)} if split else None
-            executor = make_executor(plan, st.group, transport=transport, device=device,
+            executor = make_executor(plan, st.group, transport=transport.executor_transport, device=device,
                                      nixl=st.one_sided if wanted == "nixl" else st.across,
-                                     ipc=st.one_sided if wanted == "ipc" else None, near=near)
+                                     ipc=st.one_sided if wanted == "ipc" else None, near=transport.near_ranks(rank))
             executor.prepare(*self._refit_sides(local))
-            st.executor, st.bound = executor, bound
+            st.executor, st.bound, st.transport = executor, bound, transport
             return Prepared(rank, plan.bytes_sent, plan.bytes_received, time.perf_counter() - t0, send_params,
                             recv_params)
 
@@ -608,10 +607,10 @@ class _RefitEndpoint:
         if st.executor is None:
             raise RefitError(f"{self._refit_label()}: no plan for epoch {st.epoch}; refit_prepare first")
         # a one-sided path runs no collective: its transport is what the watchdog aborts
-        abortable = [st.one_sided] if st.executor.transport in ONE_SIDED else [st.group]
-        if st.executor.transport == "split":  # this node's pairs over IPC, the others over the communicator
+        abortable = [st.one_sided] if st.transport.channel is not None else [st.group]
+        if st.transport.split:  # this node's pairs over IPC, the others over the communicator
             abortable = [st.one_sided, st.group] + ([st.across] if st.across is not None else [])
-        if st.quantized is not None and st.executor.transport in ONE_SIDED:
+        if st.quantized is not None and st.transport.channel is not None:
             abortable.append(st.group)  # the block amaxes are merged over the communicator
         with RefitAbortWatchdog(abortable, timeout_s):
             self.on_refit_start()

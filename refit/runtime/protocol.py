@@ -31,6 +31,7 @@ from refit.errors import (
     RefitError,
     TransportError,
 )
+from refit.transport.factory import TransportChoice
 
 __all__ = ["CastOverflows", "Commit", "CommitReadiness", "Connect", "Device", "EndpointCall", "EndpointFailed",
            "FailureKind", "PeerEntry", "PeerMembership", "Ping", "Prepare", "PrepareCommit", "Prepared",
@@ -211,14 +212,12 @@ class Prepare(EndpointCall):
     epoch: int
     mode: str
     bucket_bytes: int
-    transport: str
-    nodes: Mapping[int, str] | None = None
-    across: str = "communicator"
+    transport: TransportChoice
     phase = "prepare"
 
     def apply(self, endpoint: Any) -> Prepared:
         return endpoint.refit_prepare(self.index, epoch=self.epoch, mode=self.mode, bucket_bytes=self.bucket_bytes,
-                                      transport=self.transport, nodes=self.nodes, across=self.across)
+                                      transport=self.transport)
 
 
 @dataclass(frozen=True)

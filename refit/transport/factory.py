@@ -1,13 +1,21 @@
-"""One factory for every executor: the plan and the communicator decide, the caller may insist."""
+"""One factory for every executor, and the one place a build's transport is chosen.
+
+``choose_transport`` turns what the user asked for (``TransportRequest``) and where every
+rank's tensors live into a ``TransportChoice``; the controller makes it once per build and
+every rank's prepare carries it, so no layer re-derives it from strings. ``make_executor``
+turns a plan into its executor (the plan and the communicator decide, the caller may
+insist).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from refit.errors import PlanError
+from refit.errors import ConfigError, PlanError
 from refit.plan import RankPlan, split_plan
 from refit.transport.base import Executor
 from refit.transport.broadcast import BroadcastExecutor, BroadcastPlan
@@ -17,6 +25,151 @@ from refit.transport.streamed import StreamedExecutor
 
 TRANSPORTS = ("auto", "rounds", "streamed", "nixl", "ipc")
 ONE_SIDED = ("nixl", "ipc")  # no collective during a transfer; the controller relays their roster entries
+REQUESTABLE = (None, "auto", *ONE_SIDED)  # what a synchronizer takes as ``transport``
+BACKENDS = ("auto", "gloo", "nccl")
+ACROSS_NODES = ("communicator", "nixl")
+
+
+@dataclass(frozen=True)
+class TransportRequest:
+    """What the user asked for, checked when asked (before any worker is reached).
+
+    ``transport``: None (the communicator), ``"nixl"``, ``"ipc"`` or ``"auto"`` (pairs inside
+    a node over IPC, the others over ``across_nodes``); ``backend``: the communicator's
+    (``"auto"``: NCCL when every rank is on a GPU, gloo when every rank is on the host).
+    """
+
+    transport: str | None = None
+    backend: str = "auto"
+    across_nodes: str = "communicator"
+    mode: str = "reshard"
+
+    def __post_init__(self) -> None:
+        if self.transport not in REQUESTABLE:
+            raise ConfigError(f"transport must be None, 'auto', 'nixl' or 'ipc', got {self.transport!r}")
+        if self.transport is not None and self.mode != "reshard":
+            raise ConfigError(f"transport={self.transport!r} moves the shard-to-shard plans; "
+                              "use ReshardWeightSynchronizer")
+        if self.across_nodes not in ACROSS_NODES:
+            raise ConfigError(f"across_nodes must be 'communicator' or 'nixl', got {self.across_nodes!r}")
+        if self.across_nodes != "communicator" and self.transport != "auto":
+            raise ConfigError(f"across_nodes={self.across_nodes!r} chooses how transport='auto' crosses nodes; "
+                              f"transport is {self.transport!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+
+    @property
+    def control_only(self) -> bool:
+        """The communicator carries control only (gloo), whatever the devices: every byte moves
+        one-sided, or the user chose gloo."""
+        return self.transport in ONE_SIDED or self.backend == "gloo" or self.across_nodes == "nixl"
+
+    @property
+    def needs_devices(self) -> bool:
+        """Whether the choice depends on where the ranks' tensors live."""
+        return self.splits_by_node or not self.control_only
+
+    @property
+    def splits_by_node(self) -> bool:
+        return self.transport == "auto"
+
+
+@dataclass(frozen=True)
+class TransportChoice:
+    """How one build moves its bytes; made once by ``choose_transport``, carried to every rank.
+
+    ``backend``: the communicator's (``"gloo"`` where it carries control only). ``channel``:
+    the one-sided channel every pair moves over (``"nixl"`` or ``"ipc"``), None for the
+    communicator. ``nodes`` (every rank's node) splits the plan: the pairs inside a node
+    move over IPC and the others over ``across`` (``"communicator"`` or ``"nixl"``).
+    """
+
+    backend: str = "gloo"
+    channel: str | None = None
+    nodes: Mapping[int, str] | None = None
+    across: str = "communicator"
+
+    @property
+    def split(self) -> bool:
+        return self.nodes is not None
+
+    @property
+    def one_sided(self) -> bool:
+        """Ranks exchange roster entries of registered or exported memory at every build."""
+        return self.channel is not None or self.split
+
+    @property
+    def near_channel(self) -> str | None:
+        """The one-sided channel of this rank's own pairs: every pair's, or those inside its node."""
+        return "ipc" if self.split else self.channel
+
+    @property
+    def far_channel(self) -> str | None:
+        """Split by node: NIXL for the pairs between nodes, or None (the communicator)."""
+        return "nixl" if self.split and self.across == "nixl" else None
+
+    def near_ranks(self, rank: int) -> set[int] | None:
+        """Split by node: the ranks on ``rank``'s node."""
+        if self.nodes is None:
+            return None
+        return {r for r, n in self.nodes.items() if n == self.nodes.get(rank)}
+
+    @property
+    def executor_transport(self) -> str:
+        """What ``make_executor`` runs (``"auto"``: the communicator's own pipeline, or the split)."""
+        return self.channel or "auto"
+
+
+#: every byte over the communicator: what a build runs without a choice of its own
+COMMUNICATOR = TransportChoice()
+
+
+def choose_transport(request: TransportRequest, devices: Mapping[int, Mapping[str, Any]] | None,
+                     labels: Mapping[int, str]) -> TransportChoice:
+    """The transport of one build, from the request and every rank's ``refit_device()`` (by rank).
+
+    ``devices`` may be None when ``request.needs_devices`` is false. Refuses, naming the
+    ranks, a communicator over a mix of host and GPU tensors, and two ranks on one GPU under
+    NCCL: NCCL allows one rank per GPU in a communicator and says so only as "invalid usage"
+    from inside the rendezvous, on every rank at once.
+    """
+    nodes = None
+    if request.splits_by_node:
+        if devices is None:
+            raise ConfigError("transport='auto' splits the plan by node: every rank's device report is needed")
+        nodes = {rank: node_of(d) for rank, d in devices.items()}
+    choice = {"channel": request.transport if request.transport in ONE_SIDED else None, "nodes": nodes,
+              "across": request.across_nodes}
+    if request.control_only:
+        return TransportChoice("gloo", **choice)
+    if devices is None:
+        raise ConfigError(f"backend={request.backend!r}: every rank's device report is needed to choose it")
+    if nodes is not None and len(set(nodes.values())) == 1:
+        return TransportChoice("gloo", **choice)  # every pair moves over IPC: control only
+    kinds: dict[str, list[str]] = {}
+    for rank, d in sorted(devices.items()):
+        kinds.setdefault(d["type"], []).append(f"{labels.get(rank, 'rank')} (rank {rank})")
+    if request.backend == "auto" and set(kinds) == {"cpu"}:
+        return TransportChoice("gloo", **choice)
+    if set(kinds) != {"cuda"}:
+        where = "; ".join(f"on {k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
+        raise PlanError(f"backend={request.backend!r}: one communicator moves tensors of one kind of device, "
+                        f"every rank's on a GPU (NCCL) or every rank's on the host (gloo); {where}")
+    seen: dict[tuple[str, str], str] = {}
+    for rank, d in sorted(devices.items()):
+        key = (d["host"], d["uuid"])
+        who = f"{labels.get(rank, 'rank')} (rank {rank})"
+        if key in seen:
+            raise PlanError(f"{seen[key]} and {who} are both on GPU {d['index']} ({d['uuid']}) of host "
+                            f"{d['host']}: NCCL allows one rank per GPU in a communicator; give every trainer "
+                            "rank and engine worker its own GPU")
+        seen[key] = who
+    return TransportChoice("nccl", **choice)
+
+
+def node_of(device: Mapping[str, Any]) -> str:
+    """The node a rank's ``refit_device()`` report places it on (its host where no node is given)."""
+    return device.get("node") or device["host"]
 
 
 def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport: str = "auto",
@@ -97,4 +250,5 @@ def _options_for(transport: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-__all__ = ["ONE_SIDED", "TRANSPORTS", "make_executor"]
+__all__ = ["COMMUNICATOR", "ONE_SIDED", "TRANSPORTS", "TransportChoice", "TransportRequest", "choose_transport",
+           "make_executor", "node_of"]
