@@ -13,7 +13,8 @@ from refit.control import (
 )
 from refit.errors import ConfigError, LayoutError, PlanError, RefitAborted, RefitError, TransportError
 from refit.layout import DTensorRef, Replicate, Shard, StridedShard, shard_region, shard_slices
-from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
+from refit.runtime.endpoint import TrainerEndpoint
+from refit.runtime.engine_endpoint import EngineEndpoint
 from refit.runtime.watchdog import RefitAbortWatchdog
 from refit.transport.quantized import xferdtensor_fp8
 from refit.transport.xfer import xferdtensor, xferdtensor_golden

@@ -35,7 +35,7 @@ import time
 import torch
 
 from refit.cli.bench_gpu import fused_engine
-from refit.runtime.endpoint import allocate_staging, copy_staged_into_live
+from refit.runtime.weights_state import allocate_staging, copy_staged_into_live
 
 FLAGS = {"path", "device", "refits", "interval", "batch", "gpu_source", "staging_fraction"}
 GB = 1e9

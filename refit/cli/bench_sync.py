@@ -40,9 +40,11 @@ from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec, get_model
 from refit.plan.quant import BlockFp8
 from refit.plan.roster import SCALE_SUFFIX
-from refit.runtime.endpoint import EngineEndpoint, LocalShard, TrainerEndpoint
+from refit.runtime.endpoint import TrainerEndpoint
+from refit.runtime.engine_endpoint import EngineEndpoint
 from refit.runtime.handles import ProcessWorker
 from refit.runtime.protocol import Transfer
+from refit.runtime.shards import LocalShard
 
 GB = 1e9
 MIB = 1 << 20

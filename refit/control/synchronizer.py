@@ -36,7 +36,6 @@ from refit.errors import CastOverflowWarning, PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.runtime.build import PlanOptions, connect_and_prepare
-from refit.runtime.endpoint import ConnectSpec
 from refit.runtime.handles import LocalWorker, WorkerDied, send_requests
 from refit.runtime.protocol import (
     CastOverflows,
@@ -56,6 +55,7 @@ from refit.runtime.protocol import (
     TransferReport,
     WeightsState,
 )
+from refit.runtime.shards import ConnectSpec
 from refit.runtime.workers import as_worker
 from refit.transport.factory import TransportRequest, choose_transport
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from refit.errors import RefitError
 from refit.plan import DEFAULT_BUCKET_BYTES, ParamIndex, merge_rosters
-from refit.runtime.endpoint import ConnectSpec
 from refit.runtime.protocol import Connect, EndpointCall, Prepare, Prepared
+from refit.runtime.shards import ConnectSpec
 from refit.transport.factory import COMMUNICATOR, TransportChoice
 
 __all__ = ["Built", "PlanOptions", "RunStep", "connect_and_prepare"]

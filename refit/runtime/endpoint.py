@@ -1,16 +1,12 @@
-"""The worker side of a refit: endpoints that trainer and engine actors mix in, and worker handles.
+"""The worker side of a refit: connect and transfer, shared by the trainer and engine mixins.
 
-An RL framework already has trainer and engine actors. Mixing ``TrainerEndpoint`` or
-``EngineEndpoint`` into them adds the ``refit_*`` methods the controller
-(``refit.control``) calls; the actor only says which local tensors it holds and how they
-are laid out. All rank-side work happens here, inside the actor: joining a fresh
-``StatelessProcessGroup`` per (re)build, reporting roster entries, building this rank's
-own plan from the merged rosters, and running it under the refit watchdog.
-
-The controller never talks to an actor directly but through a small *worker handle*
-(``call`` -> a pending result, ``is_dead``). ``LocalWorker`` drives an endpoint object
-on a thread of this process, so the data plane and the control plane are usable without
-Ray; ``refit.runtime.ray.RayWorker`` drives a Ray actor.
+An RL framework already has trainer and engine actors. Mixing ``TrainerEndpoint`` (here)
+or ``EngineEndpoint`` (``refit.runtime.engine_endpoint``) into them adds the ``refit_*``
+methods the controller's calls (``refit.runtime.protocol``) run; the actor only says which
+local tensors it holds and how they are laid out (``refit.runtime.shards``). All rank-side
+work of a build happens here, inside the actor: joining a fresh ``StatelessProcessGroup``
+per (re)build, reporting roster entries, building this rank's own plan from the merged
+rosters and its executor, and running it under the refit watchdog.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -32,11 +28,8 @@ import torch
 
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import RendezvousTampered
-from refit.errors import InconsistentWeights, LateCall, LayoutError, PlanError, RefitError, TransportError
-from refit.layout import (
-    DTensorRef,
-    dtype_name,
-)
+from refit.errors import LateCall, LayoutError, PlanError, RefitError, TransportError
+from refit.layout import dtype_name
 from refit.plan import (
     DEFAULT_BUCKET_BYTES,
     ParamIndex,
@@ -51,7 +44,9 @@ from refit.plan.quant import check_fp8_destinations, plan_quantization
 from refit.runtime.fp8_sources import QuantizedSources
 from refit.runtime.handles import listening_sockets
 from refit.runtime.protocol import CommitReadiness, EndpointCall, Prepared, TransferReport, answer
+from refit.runtime.shards import ConnectSpec, LocalShard, as_local_shard, call_deadline
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
+from refit.runtime.weights_state import WeightsState
 from refit.transport.base import Executor, TransferStats
 from refit.transport.broadcast import BROADCAST, BroadcastPlan
 from refit.transport.casts import find_overflows, narrowing_casts
@@ -59,105 +54,11 @@ from refit.transport.factory import COMMUNICATOR, TransportChoice, make_executor
 from refit.transport.ipc import node_id, sweep_stale_segments
 from refit.transport.one_sided import RosterEntries
 
-__all__ = [
-    "ConnectSpec",
-    "Staging",
-    "allocate_staging",
-    "copy_staged_into_live",
-    "EngineEndpoint",
-    "LocalShard",
-    "TrainerEndpoint",
-    "process_resources",
-]
+__all__ = ["RefitEndpointBase", "TrainerEndpoint", "first_line", "process_resources"]
 
 log = logging.getLogger(__name__)
 
 MODES = ("reshard", "broadcast")
-
-
-# -- what an actor exposes ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LocalShard:
-    """One param as one rank holds it: the local tensor and the layout it is a shard of.
-
-    ``mesh`` holds ranks of the refit communicator as the actor sees them: a trainer
-    gives its trainer ranks (``0 .. train_world_size-1``); an engine gives its shard's
-    own workers (``0 .. workers_per_shard-1``) and the controller moves them to wherever
-    the shard sits in the current membership.
-    """
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    mesh: Any
-    placements: tuple
-
-
-def as_local_shard(name: str, value: Any) -> LocalShard:
-    """Accept ``LocalShard``, ``(local, global_shape, mesh, placements)`` or ``(DTensorRef, mesh, placements)``."""
-    if isinstance(value, LocalShard):
-        return value
-    if isinstance(value, (tuple, list)) and len(value) == 4:
-        local, shape, mesh, placements = value
-    elif isinstance(value, (tuple, list)) and len(value) == 3:
-        ref, mesh, placements = value
-        if not (isinstance(ref, DTensorRef) or hasattr(ref, "_local_tensor")):
-            raise LayoutError(f"{name}: a 3-tuple must start with a DTensorRef or DTensor, got {type(ref).__name__}")
-        local, shape = ref._local_tensor, tuple(ref.shape)
-    else:
-        raise LayoutError(
-            f"{name}: expected (local_tensor, global_shape, mesh, placements) or "
-            f"(DTensorRef, mesh, placements), got {type(value).__name__}"
-        )
-    if not isinstance(local, torch.Tensor):
-        raise LayoutError(f"{name}: the local tensor is a {type(local).__name__}, not a torch.Tensor")
-    if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
-        placements = (placements,)
-    return LocalShard(local, tuple(int(s) for s in shape), mesh, tuple(placements))
-
-
-@dataclass(frozen=True)
-class ConnectSpec:
-    """Where one rank joins the refit communicator of one build (``epoch``)."""
-
-    address: str
-    port: int
-    rank: int
-    world_size: int
-    epoch: int
-    timeout_s: float
-    mesh_offset: int = 0  # added to every rank of this actor's meshes
-    mesh_size: int | None = None  # an engine's meshes must stay within its own shard
-    label: str = ""
-    backend: str = "gloo"
-    # authenticates every value of this build's rendezvous; new every build, and handed over
-    # only through the controller's own channel to the worker (an actor call, a pipe)
-    secret: bytes | None = field(default=None, repr=False)
-    # the controller's wall clock when it sent this call: a worker that starts it later than the
-    # rendezvous lasts abandons it (``LateCall``), and one that starts it late waits only what is left
-    sent_at: float | None = None
-    # binds this build's sealed values to it: with the epoch, what a value's MAC covers besides
-    # key and secret, so a value of another build under the same secret is refused
-    nonce: bytes = b""
-
-
-def call_deadline(sent_at: float | None, budget_s: float, what: str) -> float:
-    """The ``time.monotonic()`` deadline of a call the controller sent at ``sent_at`` (its
-    ``time.time()``) with ``budget_s`` to run; ``LateCall`` when that has already passed.
-
-    A worker answers one call at a time, so a call can start long after it was sent; counting
-    its budget from its start made a worker that was late once late for every build after.
-    The hosts' clocks are assumed to agree to well under a rendezvous timeout (NTP does); a
-    clock running behind the controller's only lengthens the wait to the full budget.
-    """
-    now = time.monotonic()
-    if sent_at is None:
-        return now + budget_s
-    lag = time.time() - sent_at
-    if lag > budget_s:
-        raise LateCall(f"{what} started {lag:.1f}s after the controller sent it, past its {budget_s:g}s budget: "
-                       "its peers have given up, so it is abandoned (this worker was busy, not frozen)")
-    return now + budget_s - max(lag, 0.0)
 
 
 class _OneShotCorruption:
@@ -178,22 +79,6 @@ class _OneShotCorruption:
         self.fired = True
 
 
-@dataclass(frozen=True)
-class Staging:
-    """How an engine stages a refit: where the copies live and how the switch is made.
-
-    ``device_fraction`` of the model's bytes (params in name order) is staged on the engine's
-    device, the rest in host memory; the switch copies both into the live weights. At 1.0,
-    an engine that keeps a second set of its weights (``refit_staging_destinations``) is
-    switched by a pointer swap (``on_weights_swap``) instead of a copy.
-    ``require_version``: refuse to serve until a refit has committed a version, so an engine
-    started or restarted with no weights of the current run never answers a request.
-    """
-
-    device_fraction: float = 1.0
-    require_version: bool = True
-
-
 # -- endpoint state ---------------------------------------------------------------------
 
 @dataclass
@@ -210,12 +95,6 @@ class _State:
     plans: PlanCache = field(default_factory=lambda: PlanCache(max_entries=4))
     fault: _OneShotCorruption | None = None
     loaded_epoch: int = -1
-    # whether the live weights are whole (engines): cleared before the first byte of a transfer
-    # can land in them, set again only when a verified transfer is committed and loaded
-    consistent: bool = True
-    inconsistent_reason: str | None = None
-    committed_epoch: int = -1  # the build whose transfer was last committed and loaded
-    commits: int = 0  # refits committed and loaded by this endpoint
     # the transport object of a one-sided transport (NixlTransport for "nixl", IpcTransport for
     # "ipc"): it outlives plans, and its roster entries are relayed by the controller
     transport: TransportChoice = COMMUNICATOR  # the build's, as the controller chose it
@@ -224,19 +103,10 @@ class _State:
     quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
     # params this trainer rank sends into a destination dtype of smaller range -> those dtypes
     narrowing: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # -- versions and staging (engines) --
-    weights_version: int | None = None  # the version the live weights are; None until a refit commits one
-    staging: Staging | None = None  # set by refit_configure_staging: transfers land beside the live weights
-    staged_epoch: int = -1  # the build whose transfer landed whole in the staging copies (not yet switched)
-    prepared_epoch: int = -1  # the staged transfer this worker promised it can switch to (refit_prepare_commit)
-    # copy mode: name -> (id of the live tensor, its staging copy)
-    staging_buffers: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    serving: threading.Condition = field(default_factory=threading.Condition)  # held for one engine step, or a switch
-    switches: list[dict] = field(default_factory=list)  # the last switches: version, mode, seconds
-    paused_at: float | None = None  # in place: when the transfer began refusing steps
+    weights: WeightsState = field(default_factory=WeightsState)  # engines: whether, and which, weights serve
 
 
-class _RefitEndpoint:
+class RefitEndpointBase:
     """Methods shared by both sides. State lives in one attribute, created on first use,
     so a mixin needs no ``__init__`` call from the actor class."""
 
@@ -580,16 +450,16 @@ class _RefitEndpoint:
             except RendezvousTampered as e:
                 tampered = e
                 failure = (RendezvousTampered, f"{self._refit_label()}: refit transfer failed (epoch {epoch}): "
-                                               f"{_first_line(e)}")
+                                               f"{first_line(e)}")
             except (PlanError, LayoutError) as e:
                 # this rank refused its own tensors (one changed shape or dtype since the build):
                 # the cause of the failure, which the controller must see as such, not as one
                 # more broken transfer among those it left behind on the other ranks
-                failure = (type(e), _first_line(e))
+                failure = (type(e), first_line(e))
             except Exception as e:  # re-raised below, without the broken group
                 failure = (RefitAborted if isinstance(e, RefitAborted) else TransportError,
                            f"{self._refit_label()}: refit transfer failed (epoch {epoch}): "
-                           f"{type(e).__name__}: {_first_line(e)}")
+                           f"{type(e).__name__}: {first_line(e)}")
             if failure is None:
                 self._refit_transfer_landed(epoch)
                 return TransferReport(st.spec.rank, stats.bytes_sent, stats.bytes_received, stats.local_bytes,
@@ -652,10 +522,13 @@ class _RefitEndpoint:
         with st.lock:
             self._refit_check_epoch(epoch, "refit_prepare_commit")
             self._refit_prepare(epoch)
-            return CommitReadiness(st.weights_version, st.staging is not None)
+            return self._refit_readiness()
 
     def _refit_prepare(self, epoch: int) -> None:
-        pass
+        """Raise when this rank cannot switch to the transfer of ``epoch`` (a hook of engines)."""
+
+    def _refit_readiness(self) -> CommitReadiness:
+        return CommitReadiness(None, False)
 
     def refit_commit(self, epoch: int, version: int | None = None) -> None:
         """The controller verified the transfer of ``epoch``: tell the actor (engines only).
@@ -753,7 +626,7 @@ class _RefitEndpoint:
             raise RefitError(f"{what}: {self._refit_label()} is in epoch {st.epoch}, not {epoch}")
 
 
-class TrainerEndpoint(_RefitEndpoint):
+class TrainerEndpoint(RefitEndpointBase):
     """Mix into a trainer actor; implement ``refit_sources``.
 
     ``refit_sources()`` returns ``{canonical_name: (local_tensor, global_shape, mesh,
@@ -770,330 +643,6 @@ class TrainerEndpoint(_RefitEndpoint):
 
     def _refit_tensors(self) -> dict[str, LocalShard]:
         return dict(self.refit_sources())
-
-
-class EngineEndpoint(_RefitEndpoint):
-    """Mix into an inference engine worker; implement ``refit_destinations``.
-
-    ``refit_destinations()`` returns the tensors the weights land in, in place, laid out
-    over the shard's own workers ``0 .. workers_per_shard-1``. ``on_weights_loaded()``
-    runs after every transfer that the controller has verified.
-
-    Bytes land before they are checked, so a transfer that fails or is cut short leaves the
-    live weights torn (some params new, some old, some half of each). The endpoint marks
-    itself inconsistent before the first byte can land and consistent again only when the
-    controller commits a verified transfer and ``on_weights_loaded`` returns, so even a
-    worker whose controller or peers died knows. ``on_weights_inconsistent(reason)`` tells
-    the engine; ``refit_weights_state()`` and ``check_weights_consistent()`` ask. An endpoint
-    whose transfers land in side buffers, loaded at commit, says so by returning False from
-    ``_refit_in_place`` and marks itself while its load runs (``mark_weights_inconsistent``).
-
-    Staged refit (``refit_configure_staging``): a transfer lands in a staging copy of every
-    destination while the engine keeps serving its live weights, and the commit switches
-    between two engine steps (``serving_step``), by a copy or a pointer swap. Generation
-    then stalls for the switch, not for the transfer, and a transfer that fails leaves the
-    live weights whole. Every commit gives the live weights a version (``weights_version``).
-    """
-
-    _refit_role = "dst"
-
-    def refit_destinations(self) -> Mapping[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__} must implement refit_destinations()")
-
-    def refit_staging_destinations(self) -> Mapping[str, Any] | None:
-        """A second set of weights laid out as ``refit_destinations()``, for a pointer swap; None: copy.
-
-        An engine that can serve from either of two sets of tensors returns the set it does
-        not serve from now, and swaps the two in ``on_weights_swap``.
-        """
-        return None
-
-    def on_weights_swap(self) -> None:
-        """Serve from the set ``refit_staging_destinations()`` returned (called between two steps)."""
-        raise NotImplementedError(f"{type(self).__name__} returned staging destinations but cannot swap them")
-
-    def on_weights_loaded(self) -> None:
-        """Called after new weights landed and were verified (e.g. to re-process them)."""
-
-    def on_weights_inconsistent(self, reason: str) -> None:
-        """Called each time the live weights are marked torn, with why; an engine stops serving them.
-
-        It may come again while they are already torn, with a more precise reason (a transfer
-        started, then failed). They are whole again once ``on_weights_loaded`` has returned.
-        """
-
-    # -- staging ---------------------------------------------------------------------------
-    def refit_configure_staging(self, staged: bool = True, *, device_fraction: float = 1.0,
-                                require_version: bool = True) -> dict:
-        """Land later transfers beside the live weights (``staged``) or in them; from the next build on.
-
-        The staging copies are made once and kept while the live tensors stay the same
-        objects, so every refit reuses them. Returns what ``refit_weights_state`` says.
-        """
-        if not 0.0 <= device_fraction <= 1.0:
-            raise RefitError(f"device_fraction must be within [0, 1], got {device_fraction!r}")
-        st = self._refit_state()
-        with st.lock:
-            st.staging = Staging(float(device_fraction), bool(require_version)) if staged else None
-            st.staging_buffers, st.staged_epoch, st.prepared_epoch = {}, -1, -1
-        return self.refit_weights_state()
-
-    def _refit_swaps(self) -> bool:
-        st = self._refit_state()
-        return (st.staging is not None and st.staging.device_fraction >= 1.0
-                and type(self).refit_staging_destinations is not EngineEndpoint.refit_staging_destinations)
-
-    def _refit_tensors(self) -> dict[str, LocalShard]:
-        st = self._refit_state()
-        live = dict(self.refit_destinations())
-        if st.staging is None:
-            return live
-        if self._refit_swaps():
-            return dict(self.refit_staging_destinations())
-        shards = {n: as_local_shard(n, v) for n, v in live.items()}
-        self._refit_stage_buffers(shards)
-        return {n: LocalShard(st.staging_buffers[n][1], s.global_shape, s.mesh, s.placements)
-                for n, s in shards.items()}
-
-    def _refit_stage_buffers(self, shards: Mapping[str, LocalShard]) -> None:
-        """Copy mode: one staging tensor per destination, made once per live tensor.
-
-        The first ``device_fraction`` of the bytes (params in name order) is staged on the
-        live tensors' device and the rest in host memory (pinned under CUDA), so that the
-        device holds at most that fraction of a second model.
-        """
-        st = self._refit_state()
-        if all(st.staging_buffers.get(n, (None,))[0] == id(s.tensor) for n, s in shards.items()) \
-                and len(st.staging_buffers) == len(shards):
-            return
-        total = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
-        if st.staging.device_fraction * total < total and any(s.tensor.device.type != "cpu" for s in shards.values()):
-            # one rank's executor moves the tensors of one device: NCCL cannot land bytes in host
-            # memory, so a part staged there would need a host transport of its own
-            raise RefitError(f"{self._refit_label()}: device_fraction {st.staging.device_fraction:g} < 1 stages "
-                             "part of the model in host memory, which a transfer into GPU tensors cannot land in "
-                             "yet; stage on the device (device_fraction=1.0)")
-        kept = {n: old[1] for n, old in st.staging_buffers.items() if n in shards and old[0] == id(shards[n].tensor)}
-        buffers = allocate_staging({n: s.tensor for n, s in shards.items()}, st.staging.device_fraction, kept)
-        st.staging_buffers = {n: (id(shards[n].tensor), buf) for n, buf in buffers.items()}
-
-    def _refit_in_place(self) -> bool:
-        """Whether a transfer writes into the live weights (True) or into buffers loaded at commit."""
-        return self._refit_state().staging is None
-
-    def _refit_transfer_starts(self, epoch: int) -> None:
-        st = self._refit_state()
-        st.staged_epoch = st.prepared_epoch = -1  # the staging copies are about to be overwritten
-        if self._refit_in_place():
-            # the step in flight ends before the first byte lands; no later step reads torn weights
-            with st.serving:
-                self.mark_weights_inconsistent(f"a refit transfer (epoch {epoch}) is writing into the live weights")
-                st.paused_at = time.perf_counter()
-
-    def _refit_transfer_landed(self, epoch: int) -> None:
-        st = self._refit_state()
-        if st.staging is not None:
-            st.staged_epoch = epoch
-
-    def _refit_transfer_failed(self, epoch: int, msg: str) -> None:
-        if self._refit_in_place():
-            self.mark_weights_inconsistent(f"the refit transfer of epoch {epoch} failed part way: {msg}")
-
-    def _refit_prepare(self, epoch: int) -> None:
-        st = self._refit_state()
-        if st.staging is not None:
-            if st.staged_epoch != epoch:
-                raise RefitError(f"{self._refit_label()}: no whole staged transfer of epoch {epoch} to switch to "
-                                 f"(staged: {st.staged_epoch}); no worker switches")
-            st.prepared_epoch = epoch
-
-    def _refit_committed(self, version: int | None) -> None:
-        st = self._refit_state()
-        if version is None:
-            version = (st.weights_version or 0) + 1
-        if st.staging is not None:
-            self._refit_switch(version, f"commit of epoch {st.loaded_epoch}")
-            return
-        try:
-            self.on_weights_loaded()
-        except BaseException as e:
-            if self._refit_in_place():  # the verified bytes are in place, but the engine could not take them
-                self.mark_weights_inconsistent(f"loading the verified weights of epoch {st.loaded_epoch} failed: "
-                                               f"{type(e).__name__}: {_first_line(e)}")
-            raise
-        with st.serving:
-            st.committed_epoch, st.commits, st.weights_version = st.loaded_epoch, st.commits + 1, version
-            if st.paused_at is not None:  # how long no step could run: from the first byte to now
-                st.switches = [*st.switches[-63:], {"version": version, "mode": "in place",
-                                                    "seconds": time.perf_counter() - st.paused_at}]
-                st.paused_at = None
-            self.mark_weights_consistent()
-            st.serving.notify_all()
-
-    def _refit_switch(self, version: int, why: str) -> None:
-        """Serve the staged weights as ``version``, between two steps; a no-op if already switched.
-
-        A worker of a shard may switch first, from its step loop, when a peer of the same
-        shard already serves ``version`` (``refit_catch_up``): the controller commits only
-        once every worker prepared, so a peer's switch is the decision.
-        """
-        st = self._refit_state()
-        with st.serving:
-            if st.weights_version == version and st.prepared_epoch == -1:
-                return
-            if st.prepared_epoch == -1 or st.prepared_epoch != st.staged_epoch:
-                raise InconsistentWeights(f"{self._refit_label()}: cannot switch to version {version} ({why}): "
-                                          "no prepared staged transfer")
-            t0 = time.perf_counter()
-            if self._refit_swaps():
-                self.on_weights_swap()
-                mode = "swap"
-            else:
-                live = {n: as_local_shard(n, v).tensor for n, v in self.refit_destinations().items()}
-                copy_staged_into_live(live, {n: buf for n, (_, buf) in st.staging_buffers.items()})
-                mode = "copy"
-            self.on_weights_loaded()
-            seconds = time.perf_counter() - t0
-            st.committed_epoch, st.commits, st.weights_version = st.prepared_epoch, st.commits + 1, version
-            st.staged_epoch = st.prepared_epoch = -1
-            st.switches = [*st.switches[-63:], {"version": version, "mode": mode, "seconds": seconds}]
-            self.mark_weights_consistent()
-            st.serving.notify_all()
-
-    def refit_catch_up(self, version: int) -> bool:
-        """Switch to ``version`` now if this worker prepared it; whether it could (called inside a step)."""
-        st = self._refit_state()
-        if st.staging is None or st.prepared_epoch == -1:
-            return False
-        self._refit_switch(version, "a peer of this shard already serves it")
-        return True
-
-    def serving_step(self) -> _ServingStep:
-        """Hold the live weights for one engine step: a switch waits for it, and it for a switch.
-
-        What an engine's step loop wraps every step in. Refuses (``InconsistentWeights``)
-        while the weights are torn, or, staged, before any version was committed. Gives the
-        version served.
-        """
-        return _ServingStep(self)
-
-    def refit_wait_version(self, newer_than: int | None, timeout_s: float) -> int | None:
-        """Wait until the live weights are whole and newer than ``newer_than``; the version then."""
-        st = self._refit_state()
-        deadline = time.monotonic() + timeout_s
-        with st.serving:
-            while not (st.consistent and st.weights_version is not None
-                       and (newer_than is None or st.weights_version > newer_than)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                st.serving.wait(left)
-            return st.weights_version
-
-    def mark_weights_inconsistent(self, reason: str) -> None:
-        """Record that the live weights are torn, and tell the engine (``on_weights_inconsistent``)."""
-        st = self._refit_state()
-        st.inconsistent_reason, st.consistent = reason, False
-        try:
-            self.on_weights_inconsistent(reason)
-        except Exception:  # the mark stands; raising here would strand the transfer's peers
-            log.exception("%s: on_weights_inconsistent raised", self._refit_label())
-
-    def mark_weights_consistent(self) -> None:
-        """Record that the live weights are whole again (a verified refit was loaded completely)."""
-        st = self._refit_state()
-        st.consistent, st.inconsistent_reason = True, None
-
-    def refit_weights_state(self) -> dict:
-        """``consistent``, the ``epoch`` and count (``commits``) of the last refit committed, and the ``reason``.
-
-        Also the ``version`` served (None before the first commit), whether transfers are
-        ``staged``, the epoch waiting in staging (``staged_epoch``, -1 for none) and the last
-        ``switch`` (its mode and seconds). Read without the endpoint's lock, so that it
-        answers while a transfer runs.
-        """
-        st = self._refit_state()
-        return {"consistent": st.consistent, "epoch": st.committed_epoch, "commits": st.commits,
-                "reason": st.inconsistent_reason, "label": self._refit_label(), "version": st.weights_version,
-                "staged": st.staging is not None, "staged_epoch": st.staged_epoch,
-                "switch": st.switches[-1] if st.switches else None}
-
-    def refit_switches(self) -> list[dict]:
-        """The last switches: ``version``, ``mode`` (swap or copy; in place: the refit wrote the live
-        weights, and ``seconds`` runs from its first byte to the commit), ``seconds`` no step could run."""
-        return list(self._refit_state().switches)
-
-    @property
-    def weights_version(self) -> int | None:
-        """The version of the live weights: None until a refit commits one."""
-        return self._refit_state().weights_version
-
-    def check_weights_consistent(self) -> None:
-        """Raise ``InconsistentWeights`` while the live weights are torn: what a serving entry point calls first."""
-        st = self._refit_state()
-        if not st.consistent:
-            raise InconsistentWeights(f"{self._refit_label()}: refusing to serve torn weights "
-                                      f"({st.inconsistent_reason}); a refit must complete first")
-        if st.staging is not None and st.staging.require_version and st.weights_version is None:
-            raise InconsistentWeights(f"{self._refit_label()}: refusing to serve before a refit brought this "
-                                      "worker to the current weights version")
-
-
-def allocate_staging(live: Mapping[str, torch.Tensor], device_fraction: float,
-                     kept: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A staging tensor per live tensor: the first ``device_fraction`` of the bytes (names in
-    order) beside the live one on its device, the rest in host memory (pinned under CUDA).
-
-    ``kept`` holds staging tensors made earlier for the same live tensors; they are reused,
-    so that every refit writes into the same memory.
-    """
-    total = sum(t.numel() * t.element_size() for t in live.values())
-    budget, used, out = device_fraction * total, 0, {}
-    for name in sorted(live):
-        t = live[name]
-        nbytes = t.numel() * t.element_size()
-        on_device = used + nbytes <= budget or t.device.type == "cpu"
-        used += nbytes if on_device else 0
-        if kept and name in kept:
-            out[name] = kept[name]
-        elif on_device:
-            out[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
-        else:
-            out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    return out
-
-
-def copy_staged_into_live(live: Mapping[str, torch.Tensor], staging: Mapping[str, torch.Tensor]) -> None:
-    """The switch of a staged refit without a second set of weights: every staged tensor into its live one.
-
-    Copies are queued without waiting (device-to-device from staging on the device, host-to-
-    device from pinned host memory) and waited for once at the end, on the current stream of
-    each device, so the switch costs the copies at the copy engines' rate, not a round trip
-    per tensor.
-    """
-    for name, t in live.items():
-        t.copy_(staging[name], non_blocking=True)
-    # the copies' own streams only: a device-wide sync would also wait for unrelated work on other streams
-    for device in {t.device for t in live.values() if t.device.type == "cuda"}:
-        torch.cuda.current_stream(device).synchronize()
-
-
-class _ServingStep:
-    def __init__(self, endpoint: EngineEndpoint):
-        self.endpoint = endpoint
-        self.cond = endpoint._refit_state().serving
-
-    def __enter__(self) -> int | None:
-        self.cond.acquire()
-        try:
-            self.endpoint.check_weights_consistent()
-        except BaseException:
-            self.cond.release()
-            raise
-        return self.endpoint._refit_state().weights_version
-
-    def __exit__(self, *exc) -> None:
-        self.cond.release()
 
 
 def _wait_for_listener(address: str, port: int, deadline: float) -> None:
@@ -1114,7 +663,7 @@ def _wait_for_listener(address: str, port: int, deadline: float) -> None:
             time.sleep(0.01)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 

@@ -31,6 +31,7 @@ from refit.errors import (
     RefitError,
     TransportError,
 )
+from refit.runtime.shards import ConnectSpec
 from refit.transport.factory import TransportChoice
 
 __all__ = ["CastOverflows", "Commit", "CommitReadiness", "Connect", "Device", "EndpointCall", "EndpointFailed",
@@ -197,7 +198,7 @@ class Rendezvous(EndpointCall):
 class Connect(EndpointCall):
     """Join the communicator of one build; the worker's roster groups come back."""
 
-    spec: Any  # refit.runtime.endpoint.ConnectSpec
+    spec: ConnectSpec
     phase = "connect"
 
     def apply(self, endpoint: Any) -> list:

@@ -4,7 +4,7 @@ Ray is the orchestrator the RL ecosystem runs on, so it is the supported way to 
 trainer and engine actors; it is imported here only, inside functions, so that
 ``import refit`` works without Ray. One generation shard is its ``workers_per_shard``
 (tp x pp) engine actors; shards may differ in size. Any actor class that mixes in
-``refit.runtime.endpoint.TrainerEndpoint`` or ``EngineEndpoint`` works (``refit.testing``
+``refit.TrainerEndpoint`` or ``refit.EngineEndpoint`` works (``refit.testing``
 has reference ones: ``synthetic.SyntheticTrainer`` / ``SyntheticEngine``, ``hf.HFTrainerWorker``,
 ``engine.EngineWorker``).
 """

@@ -36,7 +36,7 @@ from refit.models.fused import FusedLayout, offset_entries
 from refit.models.megatron import Entry
 from refit.models.specs import ModelSpec, hf_config_dict, load_hf_config
 from refit.plan.quant import BlockFp8
-from refit.runtime.endpoint import EngineEndpoint
+from refit.runtime.engine_endpoint import EngineEndpoint
 
 __all__ = ["EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm", "ThreadTPComm", "TorchTPComm",
            "random_canonical_state", "shared_gpu"]
@@ -376,7 +376,7 @@ class EngineShard(EngineEndpoint):
         if self.tp > 1:
             staged = state["staged"]
             me = [0.0 if mine else 1.0, -1.0 if state["version"] is None else float(state["version"]),
-                  1.0 if self._refit_state().prepared_epoch != -1 else 0.0]
+                  1.0 if self._refit_state().weights.prepared_epoch != -1 else 0.0]
             rows = torch.stack(self.comm.all_gather(torch.tensor(me, dtype=torch.float64, device=self.device))).cpu()
             torn, versions, prepared = rows[:, 0], rows[:, 1], rows[:, 2]
             top = versions.max().item()

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from refit.layout import Placement, Replicate, Shard, region_shape, shard_region, shard_slices
-from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
+from refit.runtime.endpoint import TrainerEndpoint
+from refit.runtime.engine_endpoint import EngineEndpoint
 
 __all__ = ["SyntheticEngine", "SyntheticTrainer", "engine_placement", "synthetic_param", "synthetic_shapes",
            "trainer_placement"]

@@ -22,7 +22,8 @@ from refit.control import RefitRefused
 from refit.layout import Replicate, Shard, region_shape, shard_region
 from refit.models.fp8 import quantize_reference
 from refit.plan.quant import MERGE_AMAX_THEN_QUANTIZE, QUANTIZE_AT_PACK, BlockFp8, scale_name, scale_placements
-from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
+from refit.runtime.endpoint import TrainerEndpoint
+from refit.runtime.engine_endpoint import EngineEndpoint
 from refit.transport.nixl import nixl_available
 
 FMT = BlockFp8((16, 16))

@@ -23,7 +23,7 @@ from refit.comm.group import StatelessProcessGroup
 from refit.comm.rendezvous import RendezvousTampered, SealedStore, new_secret
 from refit.control import RefitTampered, WorkersLate
 from refit.errors import LateCall, RefitError
-from refit.runtime.endpoint import call_deadline
+from refit.runtime.shards import call_deadline
 from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 

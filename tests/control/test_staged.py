@@ -224,7 +224,7 @@ def test_copy_staging_with_an_eighth_on_device_switches_whole_or_not_at_all():
             assert sync.sync_weights().version == step
         for e in everyone:
             assert e.check_weights(2) == [] and e.refit_switches()[-1]["mode"] == "copy"
-            assert len(e._refit_state().staging_buffers) == len(e.params)  # one staging copy per tensor, kept
+            assert len(e._refit_state().weights.staging_buffers) == len(e.params)  # one staging copy per tensor, kept
 
         trainers[0].refit_inject_fault(peer=4, byte=3)  # corrupts what shard 1 receives
         set_step(3)

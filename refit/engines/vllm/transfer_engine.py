@@ -87,8 +87,9 @@ from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
 from refit.errors import RefitError
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.runtime.build import PlanOptions, connect_and_prepare
-from refit.runtime.endpoint import ConnectSpec, TrainerEndpoint, as_local_shard
+from refit.runtime.endpoint import TrainerEndpoint
 from refit.runtime.protocol import EndpointCall
+from refit.runtime.shards import ConnectSpec, as_local_shard
 
 __all__ = ["ENGINE_GRACE_S", "SETTLE_S", "LLMWeightSyncClient", "RefitBuild", "RefitInitInfo",
            "RefitTrainerInitInfo", "RefitTrainerWeightTransferEngine", "RefitUpdateInfo", "RefitWeightSource",

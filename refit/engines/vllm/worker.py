@@ -44,7 +44,8 @@ from refit.engines.vllm.shard_tensor import as_checkpoint_tensor
 from refit.engines.vllm.support import check_model_support
 from refit.errors import LayoutError, RefitError
 from refit.layout import mesh_coords_of, shard_slices
-from refit.runtime.endpoint import EngineEndpoint, LocalShard
+from refit.runtime.engine_endpoint import EngineEndpoint
+from refit.runtime.shards import LocalShard
 
 __all__ = ["RECEIVE_MODES", "VllmWorkerEndpoint", "check_parallel_layout", "choose_receive_mode"]
 
