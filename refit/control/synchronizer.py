@@ -9,63 +9,49 @@ what happens when someone leaves exists once.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import secrets
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from refit.comm.rendezvous import new_secret
 from refit.control.errors import (
-    EveryShardLost,
     NoAbsentShard,
-    RecoveryDeadlineExceeded,
-    RefitRefused,
     RefitTampered,
     RefitWorkerError,
-    WorkersLate,
 )
+from refit.control.recovery import Recovery, raise_if_refused
 from refit.control.result import Recorder, SyncResult
-from refit.control.settle import brief, settle_before_propagating, wait_any
+from refit.control.rounds import GRACE_S, NO_DEADLINE_ROUND_S, Member, RecoveryLimits, Rounds
+from refit.control.settle import settle_before_propagating
 from refit.control.verify import RankChecksums, verify_checksums
 from refit.errors import CastOverflowWarning, PlanError, RefitError
 from refit.membership import NoSurvivingShards, RefitMembership, desired_membership, should_rebuild
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.runtime.build import PlanOptions, connect_and_prepare
-from refit.runtime.handles import LocalWorker, WorkerDied, send_requests
+from refit.runtime.handles import LocalWorker, send_requests
 from refit.runtime.protocol import (
     CastOverflows,
     Commit,
     Device,
     EndpointCall,
-    EndpointFailed,
-    FailureKind,
     PeerEntry,
     PeerMembership,
-    Ping,
     PrepareCommit,
     Prepared,
     Rendezvous,
     Teardown,
     Transfer,
     TransferReport,
-    WeightsState,
 )
 from refit.runtime.shards import ConnectSpec
 from refit.runtime.workers import as_worker
 from refit.transport.factory import TransportRequest, choose_transport
 
 __all__ = ["CollectiveWeightSynchronizer", "ReshardWeightSynchronizer", "WeightSynchronizer", "as_worker"]
-
-GRACE_S = 5.0  # slack on top of a worker's own deadline before the controller stops waiting
-NO_DEADLINE_SETTLE_S = 30.0  # settle budget when refit_timeout_s is None
-NO_DEADLINE_ROUND_S = 300.0  # bound on control calls (connect, prepare, commit) without a deadline
-_STALL_SLACK_S = 1.0  # a controller wait that overruns what it asked for by more was stopped or starved
-
 
 @runtime_checkable
 class WeightSynchronizer(Protocol):
@@ -79,85 +65,9 @@ class WeightSynchronizer(Protocol):
     def shutdown(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class _Member:
-    """One rank of a build: who it is and how to reach it."""
-
-    rank: int
-    worker: Any
-    label: str
-    shard: int | None = None  # None for trainers
-    first_rank: int = 0  # communicator rank of the shard's worker 0 (what its meshes are offset by)
-
-
-@dataclass
-class _Limits:
-    """One sync's time limits for recovery, and the workers it has lost so far.
-
-    A fleet that keeps losing engines must not hold the trainer for ever: each loss costs a
-    probe, a rebuild and another transfer, and without a bound on the whole sync the caller
-    could not say when an error would come. So: ``deadline``
-    (``refit_timeout_s`` after the sync started) is the last moment recovery may begin a
-    rebuild, except in the first round after a loss, which always may (a loss inside a
-    rebuild holds the survivors in the rendezvous for the connect timeout, by default the
-    whole ``refit_timeout_s``). ``hard_end`` (the deadline plus the settle budget) is when
-    every step of recovery has ended: workers are given at most what is left of it less the
-    controller's grace, and the controller waits no longer than it. Without a deadline both
-    are None and only the shard count bounds recovery (each round excludes one more shard).
-    """
-
-    deadline: float | None
-    hard_end: float | None
-    grace_s: float
-    recovering: bool = False
-    rounds: int = 0  # recovery rounds begun: a rebuild over fewer shards and the retried transfer
-    last: RefitWorkerError | None = None  # the latest failure recovery answered
-    lost: list[str] = field(default_factory=list)  # workers found dead, in the order they were found
-    seen: dict[str, Any] = field(default_factory=dict)  # label -> handle of every worker this sync built over
-
-    def lose(self, labels: Sequence[str]) -> None:
-        self.lost += [label for label in dict.fromkeys(labels) if label not in self.lost]
-
-    def worker_s(self) -> float | None:
-        """How long a worker may still be given (its watchdog, its rendezvous), during recovery."""
-        if not self.recovering or self.hard_end is None:
-            return None
-        return self.hard_end - self.grace_s - time.monotonic()
-
-    def wait_s(self) -> float | None:
-        """How long the controller may still wait on a round, during recovery."""
-        if not self.recovering or self.hard_end is None:
-            return None
-        return max(0.0, self.hard_end - time.monotonic())
-
-    def may_start(self) -> bool:
-        """Whether recovery may begin a rebuild now: a worker can still be given time, and,
-        past the first round, the deadline has not passed."""
-        left = self.worker_s()
-        if left is None:
-            return True
-        return left > 0 and (self.rounds <= 1 or time.monotonic() < self.deadline)
-
-
-def _died(p: Any) -> bool:
-    """Whether a finished call ended because its worker's process is gone."""
-    try:
-        p.result(0)
-    except WorkerDied:
-        return True
-    except Exception:  # any other failure is the worker's own
-        return False
-    return False
-
-
-def _kind(e: BaseException) -> FailureKind | None:
-    """The kind of a worker's failure; None for the handle's own (a death, a timeout)."""
-    return e.kind if isinstance(e, EndpointFailed) else None
-
-
 # -- the control plane ---------------------------------------------------------------------------
 
-class _SynchronizerBase:
+class _SynchronizerBase(Recovery):
     """Lifecycle, membership, settling, verification and recovery, shared by both data paths.
 
     Args:
@@ -243,15 +153,14 @@ class _SynchronizerBase:
         self.workers_per_shard = max(self.shard_sizes)  # the largest shard's, when sizes differ
         self._built: RefitMembership | None = None
         self._attempted: RefitMembership | None = None  # the membership of the last build started
-        self._members: list[_Member] = []
+        self._members: list[Member] = []
         self._initialized = False
         self._broken = False
         self._closed = False
         self._epoch = 0
         self._steps = 0
-        self._abandoned: list[Any] = []  # calls given up on; read once they end, so no error goes unseen
-        self._rec: Recorder | None = None  # the sync in progress, if any
-        self._limits: _Limits | None = None  # the recovery limits and losses of the sync in progress
+        # every round of calls to the workers, with the sync in progress and its recovery limits
+        self._rounds = Rounds(refit_timeout_s, grace_s, deadline_error=lambda: self._deadline_error())
         self._devices: dict[int, tuple[Any, dict]] = {}  # id(handle) -> (handle, where its tensors live)
         self._bucket_params: dict[int, Prepared] = {}  # rank -> params of each bucket it sends / receives
         # shards whose engine could not take verified weights (their commit failed): left out of
@@ -304,211 +213,17 @@ class _SynchronizerBase:
                                   total_gen_workers=sum(self.shard_sizes), train_world_size=self.train_world_size,
                                   shard_sizes=self.shard_sizes if mixed else None)
 
-    def _members_of(self, membership: RefitMembership) -> list[_Member]:
-        out = [_Member(r, w, f"trainer rank {r}") for r, w in enumerate(self._trainers)]
+    def _members_of(self, membership: RefitMembership) -> list[Member]:
+        out = [Member(r, w, f"trainer rank {r}") for r, w in enumerate(self._trainers)]
         for shard, prefix in membership.shard_prefixes.items():
             for w, worker in enumerate(self._engines[shard]):
                 rank = membership.train_world_size + prefix + w
-                out.append(_Member(rank, worker, f"shard {shard} worker {w}", shard, rank - w))
+                out.append(Member(rank, worker, f"shard {shard} worker {w}", shard, rank - w))
         return out
 
-    def _dead_shards_now(self) -> list[int]:
-        """Shards with a worker known dead, from the handles alone (no call into the workers), and the quarantined."""
-        dead_trainers = [r for r, w in enumerate(self._trainers) if w.is_dead()]
-        if dead_trainers:
-            raise RefitWorkerError(
-                f"trainer rank(s) {dead_trainers} are dead; trainers are never excluded from the refit "
-                "communicator, so there is nothing to refit from", phase="check",
-                died=[f"trainer rank {r}" for r in dead_trainers])
-        return sorted({s for s, ws in enumerate(self._engines) if any(w.is_dead() for w in ws)} | self._quarantined)
-
-    @property
-    def quarantined_shards(self) -> list[int]:
-        """Shards left out because their engine failed to take verified weights; ``replace_shard`` ends it."""
-        return sorted(self._quarantined)
-
-    def _probe(self, shards: Sequence[int] | None = None) -> tuple[list[_Member], list[_Member]]:
-        """Ping the trainers and the workers of ``shards`` (default: all): (the dead, the alive that did not answer).
-
-        Dead means the handle says so, or the ping failed because the process is gone.
-        A ping that times out is not death: a stopped process keeps its actor alive.
-        Recovery probes only the shards of the round that failed: a shard already left out
-        (dead before, or quarantined) is no news, and counting it as newly absent rebuilt
-        the very membership that had just failed.
-        """
-        workers = [_Member(r, w, f"trainer rank {r}") for r, w in enumerate(self._trainers)]
-        workers += [_Member(-1, w, f"shard {s} worker {i}", s)
-                    for s, ws in enumerate(self._engines) for i, w in enumerate(ws)
-                    if shards is None or s in shards]
-        dead = [m for m in workers if m.worker.is_dead()]
-        pings = self._request_all([m for m in workers if m not in dead], Ping())
-        settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
-        silent = []
-        for m, p in pings.items():
-            if not p.done():
-                (dead if m.worker.is_dead() else silent).append(m)
-                continue
-            try:
-                p.result(0)
-            except WorkerDied:
-                dead.append(m)
-            except Exception:  # it answered, with an error: alive
-                pass
-        return dead, silent
-
-    # -- rounds of calls -----------------------------------------------------------------------
     def settle_budget_s(self) -> float:
-        """How long to let stragglers unwind: their own deadline, plus a little.
-
-        A rank that has not given up yet will when its watchdog fires, at the same
-        refit_timeout_s every rank was armed with. Without a deadline nothing bounds
-        them, so fall back to a fixed wait rather than blocking recovery for ever.
-        """
-        if self.refit_timeout_s is None:
-            return NO_DEADLINE_SETTLE_S
-        return self.refit_timeout_s + self.grace_s
-
-    def _round_timeout_s(self) -> float:
-        return (self.refit_timeout_s or NO_DEADLINE_ROUND_S) + self.grace_s
-
-    def _cap_wait(self, seconds: float | None) -> float | None:
-        """``seconds``, cut during recovery to what is left before the sync's hard end."""
-        cap = None if self._limits is None else self._limits.wait_s()
-        if cap is None:
-            return seconds
-        return cap if seconds is None else min(seconds, cap)
-
-    def _cap_worker(self, seconds: float | None) -> float | None:
-        """A worker's own deadline, cut during recovery to what is left before the hard end less
-        the grace, so that the controller's wait on it ends by the hard end. With nothing left,
-        the sync is out of time: ``RecoveryDeadlineExceeded``."""
-        left = None if self._limits is None else self._limits.worker_s()
-        if left is None:
-            return seconds
-        if left <= 0:
-            raise self._deadline_error()
-        return left if seconds is None else min(seconds, left)
-
-    def _round(self, phase: str, calls: dict[_Member, Any], timeout_s: float | None,
-               stragglers_s: float | None = None) -> dict[_Member, Any]:
-        """Wait for every call; at the first failure (or the timeout) settle the rest, then raise.
-
-        ``stragglers_s`` is the deadline the workers themselves give up at in this phase
-        (the refit deadline, or the rendezvous timeout for ``connect``). Every answer that
-        arrived by the end of the settle counts: when they all arrived and none failed (the
-        controller itself was stopped or starved while they came in), the round succeeded.
-        """
-        results: dict[_Member, Any] = {}
-        pending = dict(calls)
-        timeout_s = self._cap_wait(timeout_s)
-        dispatched = time.monotonic()
-        last: tuple[float, str] = (0.0, "")  # the slowest member so far, for the sync's events
-        deadline = None if timeout_s is None else dispatched + timeout_s
-        failures: dict[str, str] = {}
-        errors: dict[str, BaseException] = {}
-        kinds: dict[str, FailureKind] = {}
-        died: list[str] = []
-        stalled = 0.0  # how much longer than asked the controller's own waits took
-
-        def collect(ready: Sequence[_Member]) -> None:
-            nonlocal last
-            for m in ready:
-                p = pending.pop(m)
-                last = (time.monotonic() - dispatched, m.label)
-                try:
-                    results[m] = p.result(0)
-                except Exception as e:  # reported below with the worker's name
-                    errors[m.label] = e
-                    if isinstance(e, WorkerDied):
-                        died.append(m.label)
-                    elif (kind := _kind(e)) is not None:
-                        kinds[m.label] = kind
-                    failures[m.label] = brief(e)
-
-        while pending and not failures:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            asked = time.monotonic()
-            done = wait_any(list(pending.values()), left)
-            if left is not None:
-                stalled = max(stalled, time.monotonic() - asked - left - _STALL_SLACK_S)
-            if not done:
-                break
-            collect([m for m, p in pending.items() if p in done])
-        timed_out: list[str] = []
-        if pending:
-            # The stragglers were armed when this round was dispatched, so their own deadline
-            # (plus the grace) is counted from then: a rank frozen for good is waited for
-            # until every live rank must have given up, not for a whole budget after that.
-            budget = self.settle_budget_s()
-            if stragglers_s is not None:
-                budget = stragglers_s + self.grace_s
-            budget = self._cap_wait(min(budget, max(self.grace_s, dispatched + budget - time.monotonic())))
-            settle_before_propagating(list(pending.values()), budget, phase)
-            collect([m for m, p in pending.items() if p.done() and not m.worker.is_dead()])
-            # a member whose process is gone is dead, not late: name it as such, so the
-            # error blames the worker that died rather than every one still waiting for it
-            for m, p in pending.items():
-                if m.label not in failures and (m.worker.is_dead() or (p.done() and _died(p))):
-                    died.append(m.label)
-                    failures[m.label] = f"WorkerDied: {m.label} died"
-            # what is still pending here did not answer (an answer landing after the collect is
-            # as late as one that never came: the round is decided on what it had)
-            timed_out = [m.label for m in pending if m.label not in failures]
-            self._abandoned += [p for p in pending.values() if not p.done()]
-            if not failures and not timed_out:
-                if self._rec is not None:
-                    self._rec.note("round", f"{phase}: every answer arrived by the end of the settle"
-                                            + (f" (the controller stalled {stalled:.1f}s)" if stalled > 0 else ""))
-                return results
-        elif not failures:
-            if self._rec is not None:
-                self._rec.note("round", f"{phase}: {len(results)} worker(s) in {last[0]:.3f}s, "
-                                        f"the last {last[1]}"
-                                        + (f" (the controller stalled {stalled:.1f}s)" if stalled > 0 else ""))
-            return results
-        if self._limits is not None:
-            self._limits.lose(died)
-        tampered = [label for label, kind in kinds.items() if kind is FailureKind.TAMPERED]
-        if tampered:
-            label = tampered[0]
-            details = errors[label].details
-            raise RefitTampered(
-                f"refit {phase}: the rendezvous was tampered with: {label} read a value of key {details.get('key')!r} "
-                f"that no rank of this build wrote ({failures[label]}); nothing was excluded, and the next sync "
-                "rebuilds with a fresh secret, nonce and port", key=details.get("key"), rank=details.get("rank"),
-                seen_by=label, phase=phase, failures=failures, timed_out=timed_out, died=died)
-        late = [label for label, kind in kinds.items() if kind is FailureKind.LATE]
-        # a death leads the message: the workers that failed beside it were waiting for it, and
-        # when both land in one wait the order of the members would blame a survivor first
-        first = next(((label, failures[label]) for label in died if label in failures),
-                     next(((label, failures[label]) for label in failures if label not in late),
-                          next(iter(failures.items()), None)))
-        if first is not None:
-            msg = f"refit {phase} failed on {first[0]}: {first[1]}"
-            if len(failures) > 1:
-                msg += f" (and on {len(failures) - 1} other worker(s))"
-        else:
-            msg = f"refit {phase}: {', '.join(timed_out)} did not answer within {timeout_s:.1f}s"
-        if timed_out and first is not None:
-            msg += f"; still running after the settle: {', '.join(timed_out)}"
-        if late:
-            msg += f"; late (started the call past its deadline, abandoned it): {', '.join(late)}"
-        if stalled > 0:
-            msg += (f"; the controller itself stalled {stalled:.1f}s while it waited (stopped or starved), so "
-                    "workers may have answered in time")
-        error = RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died, kinds=kinds)
-        error.controller_stalled_s = max(stalled, 0.0)
-        error.late = late
-        raise error
-
-    def _request_all(self, members: Sequence[_Member], call: EndpointCall) -> dict[_Member, Any]:
-        return self._request_each({m: call for m in members})
-
-    @staticmethod
-    def _request_each(calls: Mapping[_Member, EndpointCall]) -> dict[_Member, Any]:
-        """Each member's call; an engine whose workers are reached together gets its share as one message."""
-        sent = send_requests({m.worker: call for m, call in calls.items()})
-        return {m: sent[m.worker] for m in calls}
+        """How long stragglers are let unwind before a failure is raised (``Rounds.settle_budget_s``)."""
+        return self._rounds.settle_budget_s()
 
     def _share(self, obj: Any) -> Any:
         """Put a large argument where every worker can fetch it once (Ray's object store)."""
@@ -536,15 +251,15 @@ class _SynchronizerBase:
         self._epoch += 1
         epoch = self._epoch
         members = self._members_of(membership)
-        if self._limits is not None:
-            self._limits.seen.update({m.label: m.worker for m in members})
-        timeout = self._round_timeout_s()
-        connect_s = self._cap_worker(self.connect_timeout_s)
+        if self._rounds.limits is not None:
+            self._rounds.limits.seen.update({m.label: m.worker for m in members})
+        timeout = self._rounds.round_timeout_s()
+        connect_s = self._rounds.cap_worker(self.connect_timeout_s)
         root = members[0]
         devices = self._devices_of(members, timeout) if self._transport.needs_devices else None
         choice = choose_transport(self._transport, None if devices is None else {m.rank: d for m, d in devices.items()},
                                   {m.rank: m.label for m in members})
-        addr, port = self._round("rendezvous", {root: root.worker.request(Rendezvous())}, timeout)[root]
+        addr, port = self._rounds.run("rendezvous", {root: root.worker.request(Rendezvous())}, timeout)[root]
         secret, nonce = new_secret(), secrets.token_bytes(16)
         sent_at = time.time()
         specs = {m.rank: ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
@@ -557,8 +272,8 @@ class _SynchronizerBase:
         def run(calls: Mapping[int, EndpointCall], phase: str) -> dict[int, Any]:
             # a connect waits out the rendezvous on every worker: the stragglers' own deadline
             limit, stragglers = (timeout + connect_s, connect_s) if phase == "connect" else (timeout, None)
-            replies = self._round(phase, self._request_each({by_rank[r]: c for r, c in calls.items()}), limit,
-                                  stragglers_s=stragglers)
+            sent = self._rounds.request_each({by_rank[r]: c for r, c in calls.items()})
+            replies = self._rounds.run(phase, sent, limit, stragglers_s=stragglers)
             return {m.rank: reply for m, reply in replies.items()}
 
         options = PlanOptions(mode=self.mode, bucket_bytes=self.bucket_bytes, transport=choice)
@@ -569,24 +284,24 @@ class _SynchronizerBase:
         if choice.one_sided:
             # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
             # controller relays the roster: new peers are loaded or mapped point to point
-            entries = self._round(f"{self.transport} handshake", self._request_all(members, PeerEntry(epoch)),
-                                  timeout)
+            entries = self._rounds.run(f"{self.transport} handshake",
+                                       self._rounds.request_all(members, PeerEntry(epoch)), timeout)
             roster = self._share({e.rank: e for e in entries.values()})
-            self._round(f"{self.transport} membership",
-                        self._request_all(members, PeerMembership(roster, epoch)), timeout)
+            self._rounds.run(f"{self.transport} membership",
+                        self._rounds.request_all(members, PeerMembership(roster, epoch)), timeout)
         self._built, self._members = membership, members
         self._initialized, self._broken = True, False
 
-    def _devices_of(self, members: Sequence[_Member], timeout: float) -> dict[_Member, dict]:
+    def _devices_of(self, members: Sequence[Member], timeout: float) -> dict[Member, dict]:
         """Every member's ``refit_device()``; a worker's device does not change while its
         process lives, so each worker is asked once."""
         unknown = [m for m in members if id(m.worker) not in self._devices]
         if unknown:
-            for m, d in self._round("devices", self._request_all(unknown, Device()), timeout).items():
+            for m, d in self._rounds.run("devices", self._rounds.request_all(unknown, Device()), timeout).items():
                 self._devices[id(m.worker)] = (m.worker, d)  # the handle is held: its id stays its own
         return {m: self._devices[id(m.worker)][1] for m in members}
 
-    def _check_coverage(self, index, members: Sequence[_Member]) -> None:
+    def _check_coverage(self, index, members: Sequence[Member]) -> None:
         """Every engine rank must need something, or its shard would silently receive nothing."""
         idle = [m.label for m in members if m.shard is not None and not index.by_rank.get(m.rank)]
         if idle:
@@ -702,14 +417,14 @@ class _SynchronizerBase:
         self._steps += 1
         self._next_version = version
         self._strict_casts = strict_casts
-        rec = self._rec = Recorder(self._steps, self.on_phase)
+        rec = self._rounds.rec = Recorder(self._steps, self.on_phase)
         try:
             result = self._sync(rec)
         except RefitError as e:
             self._name_inconsistent(e)
             raise
         finally:
-            self._rec = None
+            self._rounds.rec = None
         if result.recovered:  # a shard left out after its transfer started may hold torn weights
             result.inconsistent = self.inconsistent_workers()
         return result
@@ -717,14 +432,14 @@ class _SynchronizerBase:
     def _sync(self, rec: Recorder) -> SyncResult:
         settle = self.settle_budget_s()
         deadline = None if self.refit_timeout_s is None else rec.t0 + self.refit_timeout_s
-        self._limits = _Limits(deadline, None if deadline is None else deadline + settle, self.grace_s)
+        self._rounds.limits = RecoveryLimits(deadline, None if deadline is None else deadline + settle, self.grace_s)
         try:
             try:
                 self._attempt(rec)
             except RefitWorkerError as failure:
                 if isinstance(failure, (NoAbsentShard, RefitTampered)) or failure.phase == "check":
                     raise
-                _raise_if_refused(failure)
+                raise_if_refused(failure)
                 failed_at = rec.now()
                 rec.result.failure = str(failure)
                 self._recover_and_retry(failure, rec)
@@ -739,89 +454,7 @@ class _SynchronizerBase:
                 raise
             raise named from e
         finally:
-            self._limits = None
-
-    def _recover_and_retry(self, failure: RefitWorkerError, rec: Recorder) -> None:
-        """Exclude the dead, rebuild over the rest and retry the transfer, until one verifies.
-
-        Every round excludes at least one more shard (``_absent_after`` raises
-        ``NoAbsentShard`` when a failed round lost no one), so there are at most as many
-        rounds as shards: losing the last one raises ``NoSurvivingShards``. The time limits
-        are ``_Limits``' and are checked before each rebuild.
-        """
-        limits = self._limits
-        limits.recovering = True
-        for _ in range(self.dp_size + 1):
-            limits.last = failure
-            limits.rounds += 1
-            rec.note("failure", str(failure))
-            self._broken = True
-            with rec.phase("recover", f"round {limits.rounds}"):
-                self._recover(failure, rec)
-            try:
-                self._attempt(rec)
-            except RefitWorkerError as again:
-                if isinstance(again, _NOT_RECOVERABLE) or again.phase == "check":
-                    raise
-                _raise_if_refused(again)
-                failure = again
-                continue
-            rec.result.recoveries = limits.rounds
-            return
-        raise RefitWorkerError(f"gave up after {limits.rounds} recovery rounds, each over fewer shards: {failure}",
-                               phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out,
-                               died=failure.died) from failure
-
-    def _lost(self) -> list[str]:
-        """Every worker the sync in progress lost: named by a failed round or a probe, or built
-        over in this sync and now dead by its handle (a death no round has seen yet)."""
-        limits = self._limits
-        if limits is None:
-            return []
-        limits.lose([label for label, w in limits.seen.items() if w.is_dead()])
-        return list(limits.lost)
-
-    def _deadline_error(self) -> RecoveryDeadlineExceeded:
-        limits = self._limits
-        last = limits.last
-        lost = self._lost()
-        return RecoveryDeadlineExceeded(
-            f"refit gave up recovering after {limits.rounds} round(s): its deadline passed (no further recovery "
-            f"round begins later than {self.refit_timeout_s:g}s after the start of the sync, and every step ends "
-            f"within the {self.settle_budget_s():g}s settle budget after that); lost in this sync: "
-            f"{', '.join(lost) or 'no one found dead'}; the last failure: {last}",
-            phase=last.phase if last is not None else "recover",
-            failures=last.failures if last is not None else None,
-            timed_out=last.timed_out if last is not None else (), died=lost)
-
-    def _name_lost(self, error: RefitError) -> RefitError:
-        """``error``, naming every worker the sync lost (message and ``died``): a failure of a
-        later round would otherwise name only its own dead, and the caller would replace too few
-        shards. A ``NoSurvivingShards`` after losses becomes ``EveryShardLost``, which carries them."""
-        lost = self._lost()
-        if not lost:
-            return error
-        if isinstance(error, NoSurvivingShards) and not isinstance(error, RefitWorkerError):
-            last = self._limits.last
-            return EveryShardLost(f"{error}; lost in this sync: {', '.join(lost)}",
-                                  phase=last.phase if last is not None else "check",
-                                  failures=last.failures if last is not None else None, died=lost)
-        if isinstance(error, RefitWorkerError):
-            error.died = [*lost, *(d for d in error.died if d not in lost)]
-        text = str(error)
-        if error.args and any(label not in text for label in lost):
-            error.args = (f"{error.args[0]}; lost in this sync: {', '.join(lost)}", *error.args[1:])
-        return error
-
-    def _drain_abandoned(self) -> None:
-        still = []
-        for p in self._abandoned:
-            if p.done():
-                with contextlib.suppress(BaseException):
-                    p.result(0)
-            else:
-                still.append(p)
-        self._abandoned = still
+            self._rounds.limits = None
 
     def _attempt(self, rec: Recorder) -> None:
         self._drain_abandoned()
@@ -835,8 +468,8 @@ class _SynchronizerBase:
             rec.result.rebuilt = True
         members = self._members
         engines = [m for m in members if m.shard is not None]
-        if self._limits is not None:
-            self._limits.seen.update({m.label: m.worker for m in members})
+        if self._rounds.limits is not None:
+            self._rounds.limits.seen.update({m.label: m.worker for m in members})
         if self._strict_casts:
             with rec.phase("casts"):
                 self._refuse_overflows([m for m in members if m.shard is None])
@@ -844,9 +477,9 @@ class _SynchronizerBase:
         with rec.phase("transfer"):
             t0 = time.monotonic()
             try:
-                watchdog = self._cap_worker(self.refit_timeout_s)
+                watchdog = self._rounds.cap_worker(self.refit_timeout_s)
                 transfer = Transfer(self._epoch, timeout_s=watchdog, verify=self.verify, sent_at=time.time())
-                reports = self._round("transfer", self._request_all(members, transfer),
+                reports = self._rounds.run("transfer", self._rounds.request_all(members, transfer),
                                       None if watchdog is None else watchdog + self.grace_s, stragglers_s=watchdog)
             except RefitWorkerError:
                 self._broken = True
@@ -872,169 +505,30 @@ class _SynchronizerBase:
             # transfer waits whole (staged engines keep serving version N until then). If one
             # cannot (it died, its staging did not land), none switches: all stay on N, and
             # recovery retries over the survivors, who then switch together.
-            prepared = self._round("prepare commit", self._request_all(engines, PrepareCommit(self._epoch)),
-                                   self._round_timeout_s())
+            prepared = self._rounds.run("prepare commit", self._rounds.request_all(engines, PrepareCommit(self._epoch)),
+                                   self._rounds.round_timeout_s())
             served = [r.version for r in prepared.values()]
             version = max([self.weights_version, *(v for v in served if v is not None)]) + 1
             if self._next_version is not None:
                 version = max(version, self._next_version)
-            self._round("commit", self._request_all(engines, Commit(self._epoch, version=version)),
-                        self._round_timeout_s())
+            self._rounds.run("commit", self._rounds.request_all(engines, Commit(self._epoch, version=version)),
+                        self._rounds.round_timeout_s())
         self.weights_version = res.version = version
         self._next_version = None
         for m in engines:
             self._suspects.pop(id(m.worker), None)
 
-    def _refuse_overflows(self, trainers: Sequence[_Member]) -> None:
+    def _refuse_overflows(self, trainers: Sequence[Member]) -> None:
         """``strict_casts``: ask every trainer for its values beyond their destination's range, and
         raise ``PlanError`` naming them before the transfer, which would only report them."""
-        found = self._round("cast check", self._request_all(trainers, CastOverflows(self._epoch)),
-                            self._round_timeout_s())
+        found = self._rounds.run("cast check", self._rounds.request_all(trainers, CastOverflows(self._epoch)),
+                            self._rounds.round_timeout_s())
         lines = [f"{m.label}: {line}" for m, got in found.items() for line in got]
         if lines:
             raise PlanError("strict_casts: trainer values do not fit their engines' dtype, so nothing was moved: "
                             + "; ".join(lines))
 
-    def _recover(self, failure: RefitWorkerError, rec: Recorder) -> None:
-        """The failed round is already settled: find the dead, exclude their shards, rebuild.
-
-        A death during the rebuild itself (a worker killed in the rendezvous) is handled as
-        one during a transfer: its shard is excluded too and the build retried over the
-        rest, rather than the rebuild's failure blaming every worker that waited for the
-        dead one. Every retry excludes at least one more shard (else ``NoAbsentShard``), so
-        there are at most as many as there are shards. No rebuild begins past the sync's
-        limits (``_Limits.may_start``). In the first round the dead are probed for first, so
-        that a late first failure is still diagnosed (a frozen worker: ``NoAbsentShard``);
-        later rounds past the limits raise at once, naming the dead their rounds saw and
-        those whose handles say so.
-        """
-        limits = self._limits
-        for _ in range(self.dp_size + 1):
-            if limits is not None and limits.rounds > 1 and not limits.may_start():
-                # no probe: its answer cannot start a rebuild now, and workers still unwinding
-                # from the failed round would hold it for the whole ping timeout past the limit
-                raise self._deadline_error() from failure
-            absent = self._absent_after(failure, rec)
-            rec.note("absent", f"shards {absent}")
-            if limits is not None and not limits.may_start():
-                raise self._deadline_error() from failure
-            try:
-                rec.result.rebuilt = self.reconcile_communicator(absent, force=True) or rec.result.rebuilt
-                return
-            except RefitWorkerError as again:
-                if isinstance(again, _NOT_RECOVERABLE) or again.phase == "check":
-                    raise
-                _raise_if_refused(again)
-                rec.note("failure", f"rebuild over shards {self._attempted.surviving_shards}: {again}")
-                failure = again
-                if limits is not None:
-                    limits.last = again
-        raise RefitWorkerError(f"gave up recovering after {self.dp_size + 1} rebuilds: {failure}",
-                               phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out,
-                               died=failure.died) from failure
-
-    def _absent_after(self, failure: RefitWorkerError, rec: Recorder) -> list[int]:
-        """The shards to leave out after ``failure``: those already out, and those of its round now dead.
-
-        Only a shard of the failed round that is now dead (or could not take its weights)
-        counts as news. With none, nothing can be excluded, and a rebuild over the same
-        members would fail as this round did: ``NoAbsentShard``, naming the silent workers.
-        """
-        attempted = self._attempted
-        in_round = set(range(self.dp_size)) if attempted is None else set(attempted.shard_prefixes)
-        dead, silent = self._probe(sorted(in_round))
-        rec.note("probe", f"dead={[m.label for m in dead]} unresponsive={[m.label for m in silent]}")
-        if self._limits is not None:
-            self._limits.lose([m.label for m in dead])
-        dead_trainers = [m.label for m in dead if m.shard is None]
-        if dead_trainers:
-            raise RefitWorkerError(
-                f"{', '.join(dead_trainers)} died during the refit ({failure}); trainers are never excluded "
-                "from the refit communicator, so the fleet cannot recover here", phase=failure.phase,
-                failures=failure.failures, died=[m.label for m in dead]) from failure
-        newly = {m.shard for m in dead}
-        if failure.phase == "commit":
-            # The bytes arrived and were verified, but the engine could not take them (its load
-            # failed): its workers answer, yet it cannot be trusted with this or any later refit
-            # until it is replaced. Leave it out, so the others get their weights.
-            shard_of = {m.label: m.shard for m in self._members if m.shard is not None}
-            failed = {shard_of[label] for label in failure.failures if label in shard_of} & in_round
-            if failed:
-                self._quarantined |= failed
-                rec.note("quarantine", f"shards {sorted(failed)}: commit failed; left out until replace_shard")
-            newly |= failed
-        if not newly:
-            silent_labels = {m.label for m in silent}
-            late = list(dict.fromkeys([*failure.late, *(t for t in failure.timed_out if t not in silent_labels)]))
-            stalled = (f" The controller itself stalled {failure.controller_stalled_s:.1f}s while it waited "
-                       "(stopped or starved)." if failure.controller_stalled_s > 0 else "")
-            if late and not silent:
-                raise WorkersLate(
-                    f"refit {failure.phase} failed ({failure}): {', '.join(late)} answered late, past the round's "
-                    f"deadline, and answer now: late (busy with an earlier call, or slow to start), not dead or "
-                    f"frozen.{stalled} Nothing was excluded; the next sync rebuilds with them.", late=late,
-                    phase=failure.phase, failures=failure.failures, timed_out=failure.timed_out) from failure
-            names = ", ".join(m.label for m in silent)
-            hint = (f" {names} did not answer a liveness ping within {self.ping_timeout_s:g}s: frozen or wedged, "
-                    "but alive, so it cannot be excluded." if silent else
-                    " Every worker answers, so the failure is not a lost engine.") + stalled
-            raise NoAbsentShard(
-                f"refit {failure.phase} failed ({failure}) and no generation shard could be identified as "
-                f"absent.{hint} Nothing was rebuilt; fix or restart that worker (then replace_shard) and sync again.",
-                phase=failure.phase, failures=failure.failures, timed_out=[m.label for m in silent]) from failure
-        return sorted((set(range(self.dp_size)) - in_round) | newly | set(self._dead_shards_now()))
-
-    def inconsistent_workers(self, timeout_s: float | None = None, *, silent: Sequence[str] = ()) -> list[str]:
-        """Engine workers whose live weights are torn: a refit wrote into them and did not complete.
-
-        Every live engine worker is asked (``refit_weights_state``): its own record is the one
-        that holds when a controller or a peer died mid-transfer. A worker that does not answer
-        within ``timeout_s`` (the ping timeout by default), frozen say, is counted when this
-        controller sent it a transfer that was never committed. The dead are left out: they
-        serve nothing. Such workers refuse to serve until a refit completes. Workers named in
-        ``silent`` (already found unresponsive) are judged the same way without being asked, so
-        a frozen worker does not cost a failing refit another timeout.
-        """
-        timeout = self.ping_timeout_s if timeout_s is None else timeout_s
-        # every worker is asked at once: an engine that reaches its workers together gets one message
-        workers = {f"shard {s} worker {i}": w for s, ws in enumerate(self._engines) for i, w in enumerate(ws)
-                   if not w.is_dead()}
-        sent: dict[Any, Any] = {}
-        with contextlib.suppress(Exception):  # judged below by what it was sent
-            sent = send_requests({w: WeightsState() for label, w in workers.items() if label not in silent})
-        asked = {label: (w, sent.get(w)) for label, w in workers.items()}
-        settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
-        torn = []
-        for label, (w, p) in asked.items():
-            if w.is_dead():
-                continue
-            try:
-                if p is None:
-                    raise RefitError("not asked")
-                if not p.done():
-                    self._abandoned.append(p)
-                    raise TimeoutError
-                consistent = p.result(0).get("consistent", True)
-            except Exception:  # silent, or an endpoint that cannot say: judged by what it was sent
-                consistent = id(w) not in self._suspects
-            if consistent:
-                self._suspects.pop(id(w), None)
-            else:
-                torn.append(label)
-        return torn
-
-    def _name_inconsistent(self, error: RefitError) -> None:
-        """Name in a failed refit's error every engine worker it left torn, not only the one that failed."""
-        try:
-            torn = self.inconsistent_workers(silent=getattr(error, "timed_out", None) or ())
-        except Exception:  # the refit's own error is the one to raise
-            return
-        error.inconsistent = torn
-        if torn and error.args:
-            error.args = (f"{error.args[0]}; engine weights now inconsistent on: {', '.join(torn)} "
-                          "(they refuse to serve until a refit completes)", *error.args[1:])
-
-    def _verify(self, reports: Mapping[_Member, TransferReport]) -> None:
+    def _verify(self, reports: Mapping[Member, TransferReport]) -> None:
         labels = {m.rank: (m.label, m.shard) for m in self._members}
         params = self._bucket_params
         verify_checksums({m.rank: RankChecksums(r.sent, r.received, params[m.rank].send_params,
@@ -1089,9 +583,6 @@ class CollectiveWeightSynchronizer(_SynchronizerBase):
 
 
 # failures that a rebuild over fewer shards cannot fix: raised as they are
-_NOT_RECOVERABLE = (NoAbsentShard, RecoveryDeadlineExceeded, RefitTampered)
-
-
 def _check_settings(*, refit_timeout_s, ping_timeout_s, grace_s, connect_timeout_s, bucket_bytes) -> None:
     """Every time a finite number of seconds > 0 (the two deadlines may be None), and the bucket
     size a positive number of bytes: an infinite timeout was taken, and overflowed only inside a
@@ -1105,25 +596,3 @@ def _check_settings(*, refit_timeout_s, ping_timeout_s, grace_s, connect_timeout
                              f"got {value!r}")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
         raise RefitError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
-
-
-def _raise_if_refused(failure: RefitWorkerError) -> None:
-    """Raise ``RefitRefused`` when a connect, prepare or transfer round failed on a configuration
-    error and no worker died or froze: recovering would only fail the same way.
-
-    The workers that failed beside it (a transfer's peers, a rendezvous left behind) failed
-    because of it: the refusal heads the error, rather than the peer whose failure happened to
-    be seen first (a trainer whose receiver refused is not an absent shard)."""
-    if (failure.phase not in ("connect", "prepare", "transfer") or failure.died or failure.timed_out
-            or not failure.failures):
-        return
-    refused = {label: text for label, text in failure.failures.items()
-               if failure.kinds.get(label) is FailureKind.REFUSED}
-    if not refused:
-        return
-    (label, text), *others = refused.items()
-    more = f" (and by {', '.join(w for w, _ in others)})" if others else ""
-    moved = ("the other ranks' bytes may have landed; nothing was excluded or rebuilt, and the next sync rebuilds"
-             if failure.phase == "transfer" else "nothing was moved, excluded or rebuilt")
-    raise RefitRefused(f"refit {failure.phase} refused by {label}{more}: {text}. A configuration error, not a lost "
-                       f"engine: {moved}", phase=failure.phase, failures=failure.failures) from failure
