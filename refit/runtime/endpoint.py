@@ -191,6 +191,10 @@ class RefitEndpointBase:
     # -- the methods the controller calls ------------------------------------------------
     def refit_request(self, call: EndpointCall) -> Any:
         """Run one of the controller's calls (``refit.runtime.protocol``); the entry a Ray actor exposes."""
+        if "ray" in sys.modules:  # a Ray actor: large arguments arrive as object references
+            from refit.runtime.ray import fetch_shared
+
+            call = fetch_shared(call)
         return answer(self, call)
 
     def refit_ping(self) -> dict:

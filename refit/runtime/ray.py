@@ -11,6 +11,7 @@ has reference ones: ``synthetic.SyntheticTrainer`` / ``SyntheticEngine``, ``hf.H
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from refit.errors import RefitError
 from refit.runtime.handles import WorkerDied, WorkerTimeout
 from refit.runtime.protocol import EndpointCall
 
-__all__ = ["RayFleet", "RayWorker"]
+__all__ = ["RayFleet", "RayWorker", "fetch_shared"]
 
 
 # -- the handle ------------------------------------------------------------------------------------
@@ -121,6 +122,20 @@ class RayWorker:
 
     def __repr__(self) -> str:
         return f"RayWorker({self.name})"
+
+
+def fetch_shared(call: EndpointCall) -> EndpointCall:
+    """``call`` with the Ray object references among its fields fetched.
+
+    The controller puts a large argument (the merged index, a roster) in Ray's object store
+    once, and every worker's record carries the reference. Ray resolves references passed
+    as arguments of a call, not those inside one, so the worker fetches them here.
+    """
+    import ray
+
+    fetched = {f.name: ray.get(value) for f in dataclasses.fields(call)
+               if isinstance(value := getattr(call, f.name), ray.ObjectRef)}
+    return dataclasses.replace(call, **fetched) if fetched else call
 
 
 # -- the fleet ---------------------------------------------------------------------------------------
