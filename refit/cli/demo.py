@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -211,8 +213,9 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
             result = sync.sync_weights()
             step_events = []
             if result.recovered:
-                step_events.append(f"shard {args.kill_shard} worker 0 killed mid-refit (pid {killer.pid}); "
-                                   f"recovered over shards {result.shards} in {result.recovery_s:.2f}s")
+                step_events.append(f"the demo SIGKILLed shard {args.kill_shard} worker 0 (pid {killer.pid}) as its "
+                                   "transfer started, to show recovery: the sync left the shard out and verified "
+                                   f"over shards {result.shards} in {result.recovery_s:.2f}s")
             if result.rebuilt and not result.recovered and step > 1:
                 step_events.append(f"rebuilt: shards {result.shards} re-admitted")
             progress(f"step {step}: checking engine logits")
@@ -290,6 +293,17 @@ def print_table(result: dict) -> None:
     verdict = f"every refit verified, every engine's logits match {matched}" if result[
         "all_verified_and_logits_match"] else "MISMATCH: see the table"
     console.print(f"{verdict}; start-up {result['startup_s']:.1f}s, total {result['total_s']:.1f}s")
+
+
+def _note_ray_messages(text: str) -> None:
+    """Keep what Ray printed during the run in a file, and say where (one line)."""
+    text = text.strip()
+    if not text:
+        return
+    fd, path = tempfile.mkstemp(prefix="refit-demo-ray-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    print(f"Ray's messages of this run (the killed worker's obituary among them): {path}")
 
 
 def _start_ray(ray, args) -> str | None:
@@ -469,6 +483,7 @@ def run(args) -> int:
         if started:
             ray.shutdown()
         raise ConfigError(short)
+    ray_said = io.StringIO()
     try:
         if args.json:
             # Ray prints a killed worker's obituary on stdout; --json keeps stdout for the JSON alone
@@ -478,10 +493,17 @@ def run(args) -> int:
         else:
             from rich.console import Console
 
-            console = Console(width=None if Console().is_terminal else 150)
-            with console.status("starting") as status:
+            console = Console(file=sys.stdout, width=None if Console().is_terminal else 150)
+            if args.kill_step:
+                console.print(f"At step {args.kill_step} the demo SIGKILLs shard {args.kill_shard} worker 0 as its "
+                              "transfer starts, to show a sync that loses an engine and recovers; Ray's report of "
+                              "that death is kept out of this terminal.")
+            # Ray's driver prints the errors its cluster reports (the worker the demo kills) on
+            # sys.stdout from a thread of its own: they go to a buffer, the demo's own lines do not
+            with console.status("starting") as status, contextlib.redirect_stdout(ray_said):
                 result = run_demo(args, progress=lambda text: status.update(text), gpus=gpus)
             print_table(result)
+            _note_ray_messages(ray_said.getvalue())
     except RefitError as e:
         print(f"refit demo failed: {type(e).__name__}: {e}")
         return 1

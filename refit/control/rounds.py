@@ -232,38 +232,7 @@ class Rounds:
             return results
         if self.limits is not None:
             self.limits.lose(died)
-        tampered = [label for label, kind in kinds.items() if kind is FailureKind.TAMPERED]
-        if tampered:
-            label = tampered[0]
-            details = errors[label].details
-            raise RefitTampered(
-                f"refit {phase}: the rendezvous was tampered with: {label} read a value of key {details.get('key')!r} "
-                f"that no rank of this build wrote ({failures[label]}); nothing was excluded, and the next sync "
-                "rebuilds with a fresh secret, nonce and port", key=details.get("key"), rank=details.get("rank"),
-                seen_by=label, phase=phase, failures=failures, timed_out=timed_out, died=died)
-        late = [label for label, kind in kinds.items() if kind is FailureKind.LATE]
-        # a death leads the message: the workers that failed beside it were waiting for it, and
-        # when both land in one wait the order of the members would blame a survivor first
-        first = next(((label, failures[label]) for label in died if label in failures),
-                     next(((label, failures[label]) for label in failures if label not in late),
-                          next(iter(failures.items()), None)))
-        if first is not None:
-            msg = f"refit {phase} failed on {first[0]}: {first[1]}"
-            if len(failures) > 1:
-                msg += f" (and on {len(failures) - 1} other worker(s))"
-        else:
-            msg = f"refit {phase}: {', '.join(timed_out)} did not answer within {timeout_s:.1f}s"
-        if timed_out and first is not None:
-            msg += f"; still running after the settle: {', '.join(timed_out)}"
-        if late:
-            msg += f"; late (started the call past its deadline, abandoned it): {', '.join(late)}"
-        if stalled > 0:
-            msg += (f"; the controller itself stalled {stalled:.1f}s while it waited (stopped or starved), so "
-                    "workers may have answered in time")
-        error = RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died, kinds=kinds)
-        error.controller_stalled_s = max(stalled, 0.0)
-        error.late = late
-        raise error
+        raise _round_failure(phase, failures, errors, kinds, died, timed_out, timeout_s, stalled)
 
     def request_all(self, members: Sequence[Member], call: EndpointCall) -> dict[Member, Any]:
         return self.request_each({m: call for m in members})
@@ -273,3 +242,42 @@ class Rounds:
         """Each member's call; an engine whose workers are reached together gets its share as one message."""
         sent = send_requests({m.worker: call for m, call in calls.items()})
         return {m: sent[m.worker] for m in calls}
+
+
+def _round_failure(phase: str, failures: dict[str, str], errors: dict[str, BaseException],
+                   kinds: dict[str, FailureKind], died: list[str], timed_out: list[str], timeout_s: float | None,
+                   stalled: float) -> RefitWorkerError:
+    """The error a failed round raises: a tampered rendezvous as such, else every failure, death,
+    straggler and late worker named, a death first."""
+    tampered = [label for label, kind in kinds.items() if kind is FailureKind.TAMPERED]
+    if tampered:
+        label = tampered[0]
+        details = errors[label].details
+        return RefitTampered(
+            f"refit {phase}: the rendezvous was tampered with: {label} read a value of key {details.get('key')!r} "
+            f"that no rank of this build wrote ({failures[label]}); nothing was excluded, and the next sync "
+            "rebuilds with a fresh secret, nonce and port", key=details.get("key"), rank=details.get("rank"),
+            seen_by=label, phase=phase, failures=failures, timed_out=timed_out, died=died)
+    late = [label for label, kind in kinds.items() if kind is FailureKind.LATE]
+    # a death leads the message: the workers that failed beside it were waiting for it, and
+    # when both land in one wait the order of the members would blame a survivor first
+    first = next(((label, failures[label]) for label in died if label in failures),
+                 next(((label, failures[label]) for label in failures if label not in late),
+                      next(iter(failures.items()), None)))
+    if first is not None:
+        msg = f"refit {phase} failed on {first[0]}: {first[1]}"
+        if len(failures) > 1:
+            msg += f" (and on {len(failures) - 1} other worker(s))"
+    else:
+        msg = f"refit {phase}: {', '.join(timed_out)} did not answer within {timeout_s:.1f}s"
+    if timed_out and first is not None:
+        msg += f"; still running after the settle: {', '.join(timed_out)}"
+    if late:
+        msg += f"; late (started the call past its deadline, abandoned it): {', '.join(late)}"
+    if stalled > 0:
+        msg += (f"; the controller itself stalled {stalled:.1f}s while it waited (stopped or starved), so "
+                "workers may have answered in time")
+    error = RefitWorkerError(msg, phase=phase, failures=failures, timed_out=timed_out, died=died, kinds=kinds)
+    error.controller_stalled_s = max(stalled, 0.0)
+    error.late = late
+    return error

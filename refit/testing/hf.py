@@ -238,15 +238,23 @@ class HFTrainer(TrainerEndpoint):
     def dp_rank(self) -> int:
         return int(self.mesh.get_coordinate()[0])
 
-    def synthetic_batch(self, step: int) -> torch.Tensor:
-        """Token ids ``[batch, seq_len]`` for ``step``, different on every dp rank, the same across tp."""
-        g = torch.Generator().manual_seed(self.data_seed + 1000 * step + self.dp_rank)
-        ids = torch.randint(0, self.config.vocab_size, (self.batch_size, self.seq_len), generator=g)
+    def synthetic_batch(self) -> torch.Tensor:
+        """Token ids ``[batch, seq_len]``: the same every step, different on every dp rank, the same across tp.
+
+        Each row counts up from a random start (``t, t+1, ...`` modulo the vocabulary), and
+        the batch is fixed, so a small model's loss falls from the first step on and a run
+        shows training doing what it should (a fresh batch of uniformly random tokens each
+        step leaves nothing to learn: the loss only wanders around log(vocab)). The weights
+        change every step all the same, which is what a refit needs.
+        """
+        g = torch.Generator().manual_seed(self.data_seed + self.dp_rank)
+        starts = torch.randint(0, self.config.vocab_size, (self.batch_size, 1), generator=g)
+        ids = (starts + torch.arange(self.seq_len)) % self.config.vocab_size
         return ids.to(self.device)
 
     def train_step(self, input_ids: torch.Tensor | None = None) -> float:
         """One AdamW step on ``input_ids`` (default: the synthetic batch); returns the local loss (collective)."""
-        ids = self.synthetic_batch(self.steps) if input_ids is None else input_ids.to(self.device)
+        ids = self.synthetic_batch() if input_ids is None else input_ids.to(self.device)
         self.model.train()
         with warnings.catch_warnings():
             # transformers returns views from the FSDP2 root; nothing here modifies them in place
