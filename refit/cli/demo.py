@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import os
 import signal
 import sys
@@ -316,9 +317,9 @@ def _start_ray(ray, args) -> str | None:
     def start() -> str | None:
         try:
             if args.address:
-                ray.init(address=args.address, log_to_driver=False)
+                ray.init(address=args.address, log_to_driver=False, logging_level=logging.ERROR)
             else:
-                ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
                          object_store_memory=200 * 1024 * 1024)
         except Exception as e:  # Ray's start-up errors vary; say what failed
             return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
