@@ -30,6 +30,22 @@ def test_refit_demo_json_reports_recovery_and_readmission():
     assert steps[1]["shards"] == [0, 2] and steps[1]["recovery_s"] is not None  # lost mid-refit, recovered
     assert steps[2]["shards"] == [0, 1, 2]  # restarted and re-admitted
     assert result["all_verified_and_logits_match"] and result["killed_shard_readmitted"]
+    assert all(b["loss"] < a["loss"] for a, b in zip(steps, steps[1:])), [s["loss"] for s in steps]  # it learns
+
+
+@pytest.mark.timeout(700)
+def test_refit_demo_in_a_terminal_says_what_it_killed_and_keeps_rays_report_of_it_out():
+    """The table a newcomer reads: the kill is the demo's own, said so in its words; Ray's report of the
+    death (which reads like an OOM kill) goes to a file the demo names, not to the terminal."""
+    proc = subprocess.run([sys.executable, "-m", "refit.cli", "demo", "--steps", "2", "--kill-step", "1"],
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "the demo SIGKILLed shard 1 worker 0" in out and "to show recovery" in out
+    assert "A worker died or was killed" not in out and "OOM" not in out, out[-3000:]
+    log = next(line.split(": ", 1)[1].strip() for line in proc.stdout.splitlines() if "Ray's messages" in line)
+    with open(log) as f:
+        assert "A worker died or was killed" in f.read()  # Ray's own words, kept for whoever wants them
 
 
 def test_refit_demo_says_clearly_when_ray_is_unreachable():
