@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import new_secret
 from refit.errors import RefitError
+from refit.runtime.handles import serve_pipe
 
 LOAD_FACTOR_ENV = "REFIT_TEST_LOAD_FACTOR"
 
@@ -53,23 +53,9 @@ class WorkerError(RefitError):
 
 
 def serve_requests(conn, call: Callable[[Callable[..., Any], tuple, dict], Any]) -> None:
-    """A worker's loop: answer each ``(fn, args, kwargs)`` from ``conn`` with ``call(fn, args, kwargs)``.
-
-    Answers are ``("ok", result)`` or ``("err", (exception type name, traceback))``; the loop
-    ends at ``None`` or when the parent's end of the pipe is gone.
-    """
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
-        fn, args, kwargs = msg
-        try:
-            conn.send(("ok", call(fn, args, kwargs)))
-        except BaseException as e:  # reported to the parent
-            conn.send(("err", (type(e).__name__, traceback.format_exc())))
+    """A fleet worker's loop (``serve_pipe``): answer each ``(id, fn, args, kwargs)`` from ``conn`` with
+    ``call(fn, args, kwargs)``; a failure goes back as ``(exception type name, traceback)``."""
+    serve_pipe(conn, call, error=lambda e, tb: (type(e).__name__, tb))
 
 
 def _worker(rank: int, world_size: int, port: int, secret: bytes, conn, threads: int) -> None:
@@ -107,13 +93,13 @@ class LocalFleet:
 
     def run(self, fn: Callable[..., Any], *args, timeout_s: float = 120.0, **kwargs) -> list[Any]:
         """Run ``fn(group, *args, **kwargs)`` on every rank; return the results by rank."""
-        for c in self._conns:
-            c.send((fn, args, kwargs))
+        for r, c in enumerate(self._conns):
+            c.send((r, fn, args, kwargs))
         return self._collect(timeout_s)
 
     def run_per_rank(self, calls: list[tuple[Callable[..., Any], tuple]], *, timeout_s: float = 120.0) -> list[Any]:
-        for c, (fn, args) in zip(self._conns, calls):
-            c.send((fn, args, {}))
+        for r, (c, (fn, args)) in enumerate(zip(self._conns, calls)):
+            c.send((r, fn, args, {}))
         return self._collect(timeout_s)
 
     def _collect(self, timeout_s: float) -> list[Any]:
@@ -132,11 +118,11 @@ class LocalFleet:
             for c in ready:
                 r = pending.pop(c)
                 try:
-                    status, value = c.recv()
+                    _, ok, value = c.recv()
                 except EOFError:
                     failures[r] = ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})")
                     continue
-                if status == "ok":
+                if ok:
                     results[r] = value
                 else:
                     failures[r] = value

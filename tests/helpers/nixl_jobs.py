@@ -10,7 +10,6 @@ this module for the life of its process.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import time
 from multiprocessing.connection import wait as wait_conns
@@ -21,7 +20,7 @@ import torch
 
 from helpers.layouts import full_tensor, local_slice
 from refit.plan import RosterEntry, build_rank_plan, merge_rosters
-from refit.testing.launch import serve_requests
+from refit.testing.launch import LocalFleet, serve_requests
 
 _S: dict[str, Any] = {}
 
@@ -311,11 +310,11 @@ def refit_ranks(procs, step, ranks, **kwargs):
 
 # -- a process harness that outlives a dead rank -------------------------------------------------
 
-def _main(rank, n, port, conn):
+def _main(rank, n, port, secret, conn):
     torch.set_num_threads(1)
     from refit.comm.group import StatelessProcessGroup
 
-    group = StatelessProcessGroup("127.0.0.1", port, rank, n, timeout_s=60)
+    group = StatelessProcessGroup("127.0.0.1", port, rank, n, timeout_s=60, secret=secret)
     try:
         serve_requests(conn, lambda fn, args, kwargs: fn(group, *args, **kwargs))
     finally:
@@ -324,36 +323,24 @@ def _main(rank, n, port, conn):
         conn.close()
 
 
-class Procs:
-    """Processes, one per rank, each with a rank of one gloo ``StatelessProcessGroup`` (for
-    the one-time handshake), driven from the test; a rank that dies is reported, not fatal."""
+class Procs(LocalFleet):
+    """A ``LocalFleet`` of gloo ranks (the group serves the one-time handshake) whose calls report
+    a rank that dies instead of failing the fleet."""
 
     def __init__(self, n: int):
-        from refit.comm.group import free_port
-
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self._conns, self._procs = [], []
-        for r in range(n):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_main, args=(r, n, port, child), daemon=True)
-            p.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(p)
         self.dead: set[int] = set()
-        self.ok(_pid, timeout_s=120)
+        self._start(n, _main, (), 120.0)
 
     @property
     def size(self) -> int:
         return len(self._procs)
 
     def call(self, fn, *args, ranks=None, timeout_s: float = 60.0, per_rank=None, **kwargs) -> dict[int, Any]:
-        """Run ``fn(rank, *args, **kwargs)`` on ``ranks`` (default: the living); ``per_rank``
-        maps a rank to extra kwargs. Returns rank -> ("ok", value) / ("err", ...) / ("dead", code)."""
+        """Run ``fn(group, *args, **kwargs)`` on ``ranks`` (default: the living); ``per_rank``
+        maps a rank to extra kwargs. Returns rank -> ("ok", value) / ("err", (type, traceback)) / ("dead", code)."""
         ranks = [r for r in range(len(self._procs)) if r not in self.dead] if ranks is None else list(ranks)
         for r in ranks:
-            self._conns[r].send((fn, args, {**kwargs, **((per_rank or {}).get(r, {}))}))
+            self._conns[r].send((r, fn, args, {**kwargs, **((per_rank or {}).get(r, {}))}))
         out: dict[int, Any] = {}
         pending = {self._conns[r]: r for r in ranks}
         deadline = time.monotonic() + timeout_s
@@ -364,7 +351,8 @@ class Procs:
             for c in ready:
                 r = pending.pop(c)
                 try:
-                    out[r] = c.recv()
+                    _, ok, value = c.recv()
+                    out[r] = ("ok" if ok else "err", value)
                 except EOFError:
                     self._procs[r].join(5)
                     self.dead.add(r)
@@ -377,28 +365,3 @@ class Procs:
         if bad:
             raise AssertionError("; ".join(f"rank {r}: {v[1][1] if v[0] == 'err' else v}" for r, v in bad.items()))
         return {r: v[1] for r, v in res.items()}
-
-    def close(self) -> None:
-        for r, c in enumerate(self._conns):
-            if r not in self.dead:
-                try:
-                    c.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
-        for p in self._procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in self._conns:
-            c.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _pid(group):
-    return os.getpid()
