@@ -168,6 +168,60 @@ def rebuild_group(group, port: int, secret: bytes, peer: str | None = None, init
                                  init_timeout_s=init_timeout_s, secret=secret)
 
 
+def abort_blocked_recv(group, comm=None, *, delay_s: float = 0.3, nbytes: int = 1 << 20) -> dict:
+    """A job for a 2-rank ``DeviceFleet``: rank 1 blocks in an NCCL receive on ``comm`` (``group``, or a
+    split child of it) that rank 0 never sends, and a thread aborts ``group`` after ``delay_s``.
+
+    Rank 1 answers the error its wait raised, ``release_s`` (from the abort to the release),
+    ``abort_call_s`` (how long ``abort()`` took) and ``kernel_ended_after_abort`` (the aborted
+    kernel's stream moved on); rank 0 answers ``{}``.
+    """
+    import math
+    import threading
+    import time
+
+    import torch
+
+    from refit.comm.group import GroupAborted
+
+    comm = group if comm is None else comm
+    # NCCL connects p2p lazily: exchange a few bytes first, so the recv below is a running kernel
+    peer = 1 - comm.rank
+    a = torch.ones(16, dtype=torch.uint8, device=group.device)
+    b = torch.empty(16, dtype=torch.uint8, device=group.device)
+    comm.p2p_group([(b, peer)], [(a, peer)])
+    torch.cuda.synchronize()
+    group.barrier()
+    if group.rank == 0:  # never sends; keeps the store alive until rank 1 is released
+        time.sleep(delay_s + 3.0)
+        group.abort()
+        return {}
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    fired = {}
+
+    def aborter():
+        time.sleep(delay_s)
+        fired["t"] = time.monotonic()
+        group.abort()
+        fired["done"] = time.monotonic()
+
+    th = threading.Thread(target=aborter, daemon=True)
+    th.start()
+    err, work = None, None
+    try:
+        work = comm.irecv(buf, 0)
+        comm.wait(work)
+    except GroupAborted as e:
+        err = type(e).__name__
+    released = time.monotonic()
+    th.join(10)
+    limit = time.monotonic() + 10  # the aborted kernel really ended: its stream moves on
+    while work is not None and not work.event.query() and time.monotonic() < limit:
+        time.sleep(0.01)
+    return {"error": err, "release_s": released - fired["t"], "abort_call_s": fired.get("done", math.nan) - fired["t"],
+            "kernel_ended_after_abort": bool(work is not None and work.event.query())}
+
+
 def _device_worker(rank: int, world_size: int, port: int, secret: bytes, conn, peer: str,
                    init_timeout_s: float) -> None:
     import torch
