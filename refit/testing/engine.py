@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -38,8 +38,8 @@ from refit.models.specs import ModelSpec, hf_config_dict, load_hf_config
 from refit.plan.quant import BlockFp8
 from refit.runtime.endpoint import EngineEndpoint
 
-__all__ = ["EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm", "ThreadTPComm", "TorchTPComm",
-           "random_canonical_state", "shared_gpu"]
+__all__ = ["EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm",
+           "ThreadTPComm", "TorchTPComm", "on_tp_threads", "random_canonical_state", "shared_gpu"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,32 @@ class ThreadTPComm:
     def abort(self) -> None:
         """Release ranks waiting in a collective (after one rank failed)."""
         self._shared["barrier"].abort()
+
+
+def on_tp_threads(shard: Sequence[EngineShard], fn: Callable[[EngineShard], Any]) -> list[Any]:
+    """``fn(engine)`` for every TP rank of one shard, each on a thread of its own (every rank must join
+    each collective); the results by rank. A rank that raises aborts its comm where the comm can
+    abort (``ThreadTPComm``), which releases the others, and the first error is raised."""
+    out: list[Any] = [None] * len(shard)
+    errors: list[BaseException] = []
+
+    def go(r: int) -> None:
+        try:
+            out[r] = fn(shard[r])
+        except BaseException as e:
+            errors.append(e)
+            abort = getattr(shard[r].comm, "abort", None)
+            if abort is not None:
+                abort()
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(shard))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 class EngineShard(EngineEndpoint):
