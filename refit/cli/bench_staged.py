@@ -32,16 +32,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any
 
 import torch
 
 from refit.comm.group import free_port
 from refit.control.synchronizer import ReshardWeightSynchronizer
-from refit.layout import Shard, shard_slices
-from refit.runtime.endpoint import TrainerEndpoint
 from refit.runtime.handles import ProcessWorker
-from refit.testing.engine import EngineConfig, EngineWorker, random_canonical_state
+from refit.testing.engine import CanonicalTrainer, EngineConfig, EngineWorker
 
 CALL_S = 300.0
 
@@ -54,30 +51,6 @@ def bench_config(layers: int, hidden: int, vocab: int) -> dict:
             "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
             "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False,
             "rms_norm_eps": 1e-6}
-
-
-class CanonicalTrainer(TrainerEndpoint):
-    """The canonical (HF) weights of a step, cut along dim 0 over the trainer ranks."""
-
-    def __init__(self, rank: int, world_size: int, *, config: dict, threads: int = 1):
-        torch.set_num_threads(threads)
-        self.rank, self.world_size, self.spec = rank, world_size, EngineConfig.from_hf(config).spec
-        self.shapes = {p.name: tuple(p.shape) for p in self.spec.params()}
-        self.params: dict[str, torch.Tensor] = {}
-        self.set_step(0)
-
-    def set_step(self, step: int) -> int:
-        for name, full in random_canonical_state(self.spec, seed=step).items():
-            local = full[shard_slices(full.shape, [self.world_size], [self.rank], [Shard(0)])].contiguous()
-            if name in self.params:
-                self.params[name].copy_(local)
-            else:
-                self.params[name] = local
-        return step
-
-    def refit_sources(self) -> dict[str, Any]:
-        mesh = list(range(self.world_size))
-        return {n: (t, self.shapes[n], mesh, [Shard(0)]) for n, t in self.params.items()}
 
 
 def window(steps: list[float], start: float, end: float, batch: int) -> dict:

@@ -13,7 +13,8 @@ rank, and ``generate`` greedy tokens: comparing them with a Hugging Face forward
 trainer's weights is what shows that every byte landed in the right place. TP groups:
 ``TorchTPComm`` (a ``torch.distributed`` group), ``StatelessTPComm`` (a
 ``refit.StatelessProcessGroup``), ``ThreadTPComm`` (threads of one process). ``EngineWorker``
-is the same engine shaped for ``refit.runtime.ray.RayFleet``.
+is the same engine shaped for ``refit.runtime.ray.RayFleet``; ``CanonicalTrainer`` a trainer to
+refit it from.
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from refit.errors import InconsistentWeights, LayoutError
-from refit.layout import mesh_coords_of, shard_slices
+from refit.layout import Shard, mesh_coords_of, shard_slices
 from refit.models.fp8 import dequantize
 from refit.models.fused import FusedLayout, offset_entries
 from refit.models.megatron import Entry
 from refit.models.specs import ModelSpec, hf_config_dict, load_hf_config
 from refit.plan.quant import BlockFp8
-from refit.runtime.endpoint import EngineEndpoint
+from refit.runtime.endpoint import EngineEndpoint, TrainerEndpoint
 
-__all__ = ["EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm",
+__all__ = ["CanonicalTrainer", "EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm",
            "ThreadTPComm", "TorchTPComm", "on_tp_threads", "random_canonical_state", "shared_gpu"]
 
 
@@ -80,6 +81,31 @@ def random_canonical_state(spec: ModelSpec, *, seed: int = 0, std: float = 0.02,
             t = std * t
         out[p.name] = t.to(dtype)
     return out
+
+
+class CanonicalTrainer(TrainerEndpoint):
+    """A trainer holding the canonical (HF) weights of a step (``random_canonical_state`` seeded with
+    it), cut along dim 0 over the trainer ranks: the source the reference engines are refit from."""
+
+    def __init__(self, rank: int, world_size: int, *, config: dict, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.spec = rank, world_size, EngineConfig.from_hf(config).spec
+        self.shapes = {p.name: tuple(p.shape) for p in self.spec.params()}
+        self.params: dict[str, torch.Tensor] = {}
+        self.set_step(0)
+
+    def set_step(self, step: int) -> int:
+        for name, full in random_canonical_state(self.spec, seed=step).items():
+            local = full[shard_slices(full.shape, [self.world_size], [self.rank], [Shard(0)])].contiguous()
+            if name in self.params:
+                self.params[name].copy_(local)
+            else:
+                self.params[name] = local
+        return step
+
+    def refit_sources(self) -> dict[str, Any]:
+        mesh = list(range(self.world_size))
+        return {n: (t, self.shapes[n], mesh, [Shard(0)]) for n, t in self.params.items()}
 
 
 class TPComm(Protocol):
