@@ -9,11 +9,11 @@ this module for the life of its process.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -67,19 +67,9 @@ def collectives() -> int:
 
 # -- cases ------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
 def environment(**values):
     """``os.environ`` with ``values`` set inside the block (the processes it starts inherit them)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return mock.patch.dict(os.environ, values)
 
 
 def transfer_cases(world: int, *, chunks: bool = False):
@@ -299,6 +289,23 @@ def relay_membership(procs, case, members, epoch, **setup_kwargs):
     installed = procs.ok(install, roster, epoch, ranks=members)
     assert all(v["collectives"] == 0 for v in installed.values())
     return infos
+
+
+def refit_losing(procs, step, ranks, dead, deadline_s, **kwargs):
+    """One refit on ``ranks`` in which rank ``dead`` dies; the others run it with ``deadline_s`` and
+    ``kwargs``. The results by rank, the death checked."""
+    res = procs.call(refit_step, step, ranks=ranks, timeout_s=deadline_s * 3,
+                     per_rank={r: {"timeout_s": deadline_s, **kwargs} for r in ranks} | {dead: {"fault": "die"}})
+    assert res[dead][0] == "dead"
+    return res
+
+
+def aborted_naming(res, rank, dead, deadline_s) -> dict:
+    """Rank ``rank``'s result of ``refit_losing``: aborted within ``deadline_s``, naming the dead rank."""
+    out = res[rank][1]
+    assert out["error"] == "RefitAborted" and f"rank {dead}" in out["message"], out
+    assert out["elapsed"] < deadline_s
+    return out
 
 
 def refit_ranks(procs, step, ranks, **kwargs):
