@@ -84,6 +84,14 @@ def heal(fleet, sync, killed):
         sync.replace_shard(shard, fleet.restart_shard(shard, workers))
 
 
+def readmit(fleet, sync, killed, step):
+    """``heal`` the killed workers; the sync of ``step`` then verifies over both shards."""
+    heal(fleet, sync, killed)
+    set_step(fleet, step)
+    res = sync.sync_weights()
+    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, step) == {}
+
+
 class PhaseKiller:
     """Sends ``sig`` to engine workers ``delay_s`` after the sync enters ``phase``."""
 
@@ -244,10 +252,7 @@ def test_every_shard_killed_raises_no_surviving_shards(fleet):
         sync_killing(fleet, sync, 200, "transfer", 0.1, killed)
     with pytest.raises(NoSurvivingShards):
         sync.sync_weights()  # and stays so, without hanging, until shards come back
-    heal(fleet, sync, killed)
-    set_step(fleet, 201)
-    res = sync.sync_weights()
-    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, 201) == {}
+    readmit(fleet, sync, killed, 201)
     sync.shutdown()
 
 
@@ -277,10 +282,7 @@ def test_collective_baseline_recovers_from_a_kill_mid_transfer(fleet):
     res = sync_killing(fleet, sync, 401, "transfer", 0.15, [(0, 1)])
     assert res.verified and res.recovered and res.shards == [1]
     assert wrong_weights(fleet, 401, skip={(0, 0), (0, 1)}) == {}
-    heal(fleet, sync, [(0, 1)])
-    set_step(fleet, 402)
-    res = sync.sync_weights()
-    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, 402) == {}
+    readmit(fleet, sync, [(0, 1)], 402)
     sync.shutdown()
 
 
@@ -300,8 +302,5 @@ def test_shard_lost_between_syncs_then_killed_again_while_being_readmitted(fleet
     assert res.verified and res.recovered and res.shards == [0]
     assert wrong_weights(fleet, 501, skip={(1, 0), (1, 1)}) == {}
 
-    heal(fleet, sync, [(1, 0)])
-    set_step(fleet, 502)
-    res = sync.sync_weights()
-    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, 502) == {}
+    readmit(fleet, sync, [(1, 0)], 502)
     sync.shutdown()
