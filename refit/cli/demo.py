@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -461,7 +460,7 @@ def run(args) -> int:
             print(f"refit demo: could not start or join {where}: {failure}", file=sys.stderr)
             return 2
         started = True
-    from refit.errors import RefitError
+    from refit.cli.output import run_live
 
     gpus = int(ray.cluster_resources().get("GPU", 0)) if args.device == "cuda" else 0
     short = gpu_shortfall(args, sizes, gpus) if args.device == "cuda" else None
@@ -470,22 +469,12 @@ def run(args) -> int:
             ray.shutdown()
         raise ConfigError(short)
     try:
-        if args.json:
-            # Ray prints a killed worker's obituary on stdout; --json keeps stdout for the JSON alone
-            with contextlib.redirect_stdout(sys.stderr):
-                result = run_demo(args, gpus=gpus)
-            print(json.dumps(result, indent=2, default=str))
-        else:
-            from rich.console import Console
-
-            console = Console(width=None if Console().is_terminal else 150)
-            with console.status("starting") as status:
-                result = run_demo(args, progress=lambda text: status.update(text), gpus=gpus)
-            print_table(result)
-    except RefitError as e:
-        print(f"refit demo failed: {type(e).__name__}: {e}")
-        return 1
+        # Ray prints a killed worker's obituary on stdout; --json keeps stdout for the JSON alone
+        result = run_live(lambda **kw: run_demo(args, gpus=gpus, **kw), args.json, print_table, "refit demo failed",
+                          quiet=lambda: contextlib.redirect_stdout(sys.stderr))
     finally:
         if started:
             ray.shutdown()
+    if result is None:
+        return 1
     return 0 if result["all_verified_and_logits_match"] and result["killed_shard_readmitted"] else 1
