@@ -102,33 +102,42 @@ class LocalFleet:
             c.send((r, fn, args, {}))
         return self._collect(timeout_s)
 
-    def _collect(self, timeout_s: float) -> list[Any]:
+    def _replies(self, ranks, timeout_s: float) -> tuple[dict[int, tuple[bool, Any] | None], list[int]]:
+        """The answers ``(ok, value)`` of ``ranks`` by rank (None for a rank whose process ended), and
+        the ranks that did not answer within ``timeout_s``."""
         import time
 
         deadline = time.monotonic() + timeout_s
-        results: dict[int, Any] = {}
-        failures: dict[int, tuple[str, str]] = {}
-        pending = {c: r for r, c in enumerate(self._conns)}
+        replies: dict[int, tuple[bool, Any] | None] = {}
+        pending = {self._conns[r]: r for r in ranks}
         while pending:
             left = deadline - time.monotonic()
-            ready = wait_conns(list(pending), timeout=max(0.0, left)) if left > 0 else []
+            ready = wait_conns(list(pending), timeout=left) if left > 0 else []
             if not ready:
-                self.close(kill=True)
-                raise RefitError(f"LocalFleet: ranks {sorted(pending.values())} did not finish within {timeout_s}s")
+                return replies, sorted(pending.values())
             for c in ready:
                 r = pending.pop(c)
                 try:
                     _, ok, value = c.recv()
+                    replies[r] = (ok, value)
                 except EOFError:
-                    failures[r] = ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})")
-                    continue
-                if ok:
-                    results[r] = value
-                else:
-                    failures[r] = value
+                    replies[r] = None
+        return replies, []
+
+    def _collect(self, timeout_s: float) -> list[Any]:
+        replies, late = self._replies(range(self.world_size), timeout_s)
+        if late:
+            self.close(kill=True)
+            raise RefitError(f"LocalFleet: ranks {late} did not finish within {timeout_s}s")
+        failures: dict[int, tuple[str, str]] = {}
+        for r, reply in replies.items():
+            if reply is None:
+                failures[r] = ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})")
+            elif not reply[0]:
+                failures[r] = reply[1]
         if failures:
             raise WorkerError(failures)
-        return [results[r] for r in range(self.world_size)]
+        return [replies[r][1] for r in range(self.world_size)]
 
     def close(self, kill: bool = False) -> None:
         for c in self._conns:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-from multiprocessing.connection import wait as wait_conns
 from typing import Any
 from unittest import mock
 
@@ -348,22 +347,17 @@ class Procs(LocalFleet):
         ranks = [r for r in range(len(self._procs)) if r not in self.dead] if ranks is None else list(ranks)
         for r in ranks:
             self._conns[r].send((r, fn, args, {**kwargs, **((per_rank or {}).get(r, {}))}))
+        replies, late = self._replies(ranks, timeout_s)
+        if late:
+            raise TimeoutError(f"ranks {late} did not answer within {timeout_s}s")
         out: dict[int, Any] = {}
-        pending = {self._conns[r]: r for r in ranks}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            ready = wait_conns(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise TimeoutError(f"ranks {sorted(pending.values())} did not answer within {timeout_s}s")
-            for c in ready:
-                r = pending.pop(c)
-                try:
-                    _, ok, value = c.recv()
-                    out[r] = ("ok" if ok else "err", value)
-                except EOFError:
-                    self._procs[r].join(5)
-                    self.dead.add(r)
-                    out[r] = ("dead", self._procs[r].exitcode)
+        for r, reply in replies.items():
+            if reply is None:
+                self._procs[r].join(5)
+                self.dead.add(r)
+                out[r] = ("dead", self._procs[r].exitcode)
+            else:
+                out[r] = ("ok" if reply[0] else "err", reply[1])
         return out
 
     def ok(self, fn, *args, **kwargs) -> dict[int, Any]:
