@@ -19,7 +19,6 @@ Every destination element is checked against the expected slice after the runs.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -33,6 +32,7 @@ from refit.cli.checks import (
     positive_float,
     positive_int,
 )
+from refit.cli.output import show
 from refit.errors import ConfigError
 
 MIB = 1 << 20
@@ -419,10 +419,7 @@ def run(args) -> int:
             setattr(args, k, v)
     check_ranks(args.src + args.dst_tp * args.dst_dp, _layout_flags("--device cpu", args.src, args.dst_tp, args.dst_dp))
     result = run_cpu(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
+    show(result, args.json, print_table)
     ok = (result["correct"] and result.get("golden_correct", True)
           and result["bytes_moved"] >= result["min_bytes_needed"])
     return 0 if ok else 1

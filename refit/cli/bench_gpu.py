@@ -43,7 +43,7 @@ from refit.layout import DTensorRef, Replicate, dtype_name
 from refit.models.fused import FusedLayout
 from refit.models.specs import MODELS, ModelSpec
 from refit.plan import RankPlan, RosterEntry, build_rank_plan, merge_rosters, pack_buckets
-from refit.testing.launch import DeviceFleet
+from refit.testing.launch import DeviceFleet, abort_blocked_recv
 from refit.transport.factory import make_executor
 from refit.transport.nixl import DEFAULT_CHUNK_BYTES, NixlTransport
 from refit.transport.streamed import release_staging
@@ -513,49 +513,6 @@ def _ipc_pull(group, src, dst, names, cfg) -> dict:
     return out
 
 
-def _abort_probe(group, delay_s: float = 0.3) -> dict:
-    """Rank 1 blocks in an NCCL receive rank 0 never sends; a thread aborts the group."""
-    import threading
-
-    from refit.comm.group import GroupAborted
-
-    # NCCL connects p2p lazily: exchange a few bytes first, so the recv below is a running kernel
-    peer = 1 - group.rank
-    a_ = torch.ones(16, dtype=torch.uint8, device=group.device)
-    b_ = torch.empty(16, dtype=torch.uint8, device=group.device)
-    group.p2p_group([(b_, peer)], [(a_, peer)])
-    torch.cuda.synchronize()
-    group.barrier()
-    if group.rank == 0:
-        time.sleep(delay_s + 3.0)
-        group.abort()
-        return {}
-    buf = torch.empty(1 << 20, dtype=torch.uint8, device=group.device)
-    fired = {}
-
-    def aborter():
-        time.sleep(delay_s)
-        fired["t"] = time.monotonic()
-        group.abort()
-        fired["done"] = time.monotonic()
-
-    th = threading.Thread(target=aborter, daemon=True)
-    th.start()
-    err, work = None, None
-    try:
-        work = group.irecv(buf, 0)  # rank 0 never sends
-        group.wait(work)
-    except GroupAborted as e:
-        err = type(e).__name__
-    released = time.monotonic()
-    th.join(10)
-    limit = time.monotonic() + 10  # the aborted kernel really ended: its stream moves on
-    while work is not None and not work.event.query() and time.monotonic() < limit:
-        time.sleep(0.01)
-    return {"error": err, "release_s": released - fired["t"], "abort_call_s": fired.get("done", math.nan) - fired["t"],
-            "kernel_ended_after_abort": bool(work is not None and work.event.query())}
-
-
 # -- command line -------------------------------------------------------------------------------
 
 def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
@@ -756,7 +713,7 @@ def run_gpu(args) -> int:
     with DeviceFleet(2) as fleet:
         r0, r1 = fleet.run(transport_rank, config_from_args(args), timeout_s=260)
         fleet.rebuild()
-        abort = fleet.run(_abort_probe, timeout_s=60)[1]
+        abort = fleet.run(abort_blocked_recv, timeout_s=60)[1]
     return _report(summarize(r0, r1, abort), [r0, r1], t0, getattr(args, "gpu_out", None),
                    getattr(args, "json", False), print_table)
 

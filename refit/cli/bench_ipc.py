@@ -34,6 +34,7 @@ import torch
 
 from refit.cli.bench_gpu import RankTensors, _fresh_refit, _make_plan, _sync, _timed_loop, rank_tensors
 from refit.cli.bench_sync import GB, MIB
+from refit.cli.output import show
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import new_secret
 from refit.errors import ConfigError
@@ -311,9 +312,6 @@ def run(args) -> int:
     if getattr(args, "gpu_out", None):
         with open(args.gpu_out, "w") as f:
             json.dump(doc, f, indent=1, default=str)
-    if args.json:
-        print(json.dumps(doc, indent=1, default=str))
-    else:
-        print_table(results)
+    show(doc, args.json, lambda _: print_table(results), indent=1)
     return 0 if all(all(s["verified"].values()) for s in results) else 1
 

@@ -29,19 +29,16 @@ copy mode's fraction changes where nothing lands; it matters on a GPU.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from typing import Any
 
 import torch
 
+from refit.cli.output import show
 from refit.comm.group import free_port
 from refit.control.synchronizer import ReshardWeightSynchronizer
-from refit.layout import Shard, shard_slices
-from refit.runtime.endpoint import TrainerEndpoint
 from refit.runtime.handles import ProcessWorker
-from refit.testing.engine import EngineConfig, EngineWorker, random_canonical_state
+from refit.testing.engine import CanonicalTrainer, EngineConfig, EngineWorker
 
 CALL_S = 300.0
 
@@ -54,30 +51,6 @@ def bench_config(layers: int, hidden: int, vocab: int) -> dict:
             "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
             "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False,
             "rms_norm_eps": 1e-6}
-
-
-class CanonicalTrainer(TrainerEndpoint):
-    """The canonical (HF) weights of a step, cut along dim 0 over the trainer ranks."""
-
-    def __init__(self, rank: int, world_size: int, *, config: dict, threads: int = 1):
-        torch.set_num_threads(threads)
-        self.rank, self.world_size, self.spec = rank, world_size, EngineConfig.from_hf(config).spec
-        self.shapes = {p.name: tuple(p.shape) for p in self.spec.params()}
-        self.params: dict[str, torch.Tensor] = {}
-        self.set_step(0)
-
-    def set_step(self, step: int) -> int:
-        for name, full in random_canonical_state(self.spec, seed=step).items():
-            local = full[shard_slices(full.shape, [self.world_size], [self.rank], [Shard(0)])].contiguous()
-            if name in self.params:
-                self.params[name].copy_(local)
-            else:
-                self.params[name] = local
-        return step
-
-    def refit_sources(self) -> dict[str, Any]:
-        mesh = list(range(self.world_size))
-        return {n: (t, self.shapes[n], mesh, [Shard(0)]) for n, t in self.params.items()}
 
 
 def window(steps: list[float], start: float, end: float, batch: int) -> dict:
@@ -212,26 +185,46 @@ def run_staged_bench(args) -> dict:
                         for m in modes[1:]}}
 
 
-def print_table(r: dict) -> None:
+def mode_cells(m: dict, step: str, stall_digits: int) -> list[str]:
+    """What a staged bench's table shows of every mode (``mode_columns``): tokens/s without and with
+    refits and their ratio, the median step (the ``step`` key), the stall and the gap excess, each
+    also over blocking's."""
+    return [f"{m['tokens_per_s_without_refits']:.0f}", f"{m['tokens_per_s_with_refits']:.0f}",
+            f"{m['throughput_ratio']:.2f}", f"{m[step] * 1e3:.1f} ms", f"{m['stall_s'] * 1e3:.{stall_digits}f} ms",
+            f"{m['stall_over_blocking_pause']:.3f}", f"{m['gap_excess_median_s'] * 1e3:.1f} ms",
+            f"{m['gap_excess_over_blocking']:.2f}"]
+
+
+def mode_columns(step: str) -> tuple[str, ...]:
+    """The headers of ``mode_cells``, the median step's called ``step``."""
+    return ("tok/s no refit", "tok/s refits", "ratio", step, "stall", "stall / blocking", "gap excess",
+            "gap / blocking")
+
+
+def print_modes(title: str, columns: tuple[str, ...], rows: list[list[str]], note: str, *, labels: int = 1) -> None:
+    """A staged bench's table: a row of cells per mode under ``columns`` (the first ``labels`` of
+    them name the row, left-aligned), then ``note``."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"refit bench --path staged: {r['layout']}, {r['device']}, a refit every {r['interval_s']}s")
-    for col in ("mode", "tok/s no refit", "tok/s refits", "ratio", "median step", "stall", "stall / blocking",
-                "gap excess", "gap / blocking", "sync"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for m in r["modes"]:
-        mode = m["mode"] + (f" ({m['device_fraction']:g} on device)" if m["mode"] == "staged copy" else "")
-        table.add_row(mode, f"{m['tokens_per_s_without_refits']:.0f}", f"{m['tokens_per_s_with_refits']:.0f}",
-                      f"{m['throughput_ratio']:.2f}", f"{m['median_step_s'] * 1e3:.1f} ms",
-                      f"{m['stall_s'] * 1e3:.2f} ms", f"{m['stall_over_blocking_pause']:.3f}",
-                      f"{m['gap_excess_median_s'] * 1e3:.1f} ms", f"{m['gap_excess_over_blocking']:.2f}",
-                      f"{m['sync_median_s'] * 1e3:.0f} ms")
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i < labels else "right")
+    for row in rows:
+        table.add_row(*row)
     console = Console()
     console.print(table)
-    console.print(f"{r['model']}: {r['params'] / 1e6:.1f}M params, {r['bytes_per_refit'] / 1e6:.0f} MB per refit; "
-                  f"batch {r['batch']}, {r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens a request; "
-                  f"{r['refits']} refits a mode")
+    console.print(note)
+
+
+def print_table(r: dict) -> None:
+    rows = [[m["mode"] + (f" ({m['device_fraction']:g} on device)" if m["mode"] == "staged copy" else ""),
+             *mode_cells(m, "median_step_s", 2), f"{m['sync_median_s'] * 1e3:.0f} ms"] for m in r["modes"]]
+    print_modes(f"refit bench --path staged: {r['layout']}, {r['device']}, a refit every {r['interval_s']}s",
+                ("mode", *mode_columns("median step"), "sync"), rows,
+                f"{r['model']}: {r['params'] / 1e6:.1f}M params, {r['bytes_per_refit'] / 1e6:.0f} MB per refit; "
+                f"batch {r['batch']}, {r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens a request; "
+                f"{r['refits']} refits a mode")
 
 
 def check_layout(args) -> None:
@@ -249,9 +242,6 @@ def check_layout(args) -> None:
 
 def run(args) -> int:
     result = run_staged_bench(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
+    show(result, args.json, print_table)
     return 0
 

@@ -27,7 +27,6 @@ switch is held to.
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
@@ -35,6 +34,7 @@ import time
 import torch
 
 from refit.cli.bench_gpu import fused_engine
+from refit.cli.output import show
 from refit.runtime.weights_state import allocate_staging, copy_staged_into_live
 
 FLAGS = {"path", "device", "refits", "interval", "batch", "gpu_source", "staging_fraction"}
@@ -197,25 +197,19 @@ def run_bench(args) -> dict:
 
 
 def print_table(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from refit.cli.bench_staged import print_modes
 
-    table = Table(title=f"refit bench --path staged --device cuda: {r['model']}, {r['bytes'] / GB:.1f} GB, "
-                        f"{r['device']}, a refit every {r['interval_s']}s")
-    for col in ("source", "mode", "tok/s no refit", "tok/s refits", "ratio", "step", "stall", "stall/blocking",
-                "stall/d2d", "gap excess", "arrival"):
-        table.add_column(col, justify="left" if col in ("source", "mode") else "right")
-    for m in r["modes"]:
-        mode = m["mode"] + (f" ({m['device_fraction']:g} on GPU)" if m["device_fraction"] is not None else "")
-        table.add_row(m["source"], mode, f"{m['tokens_per_s_without_refits']:.0f}",
-                      f"{m['tokens_per_s_with_refits']:.0f}", f"{m['throughput_ratio']:.3f}",
-                      f"{m['median_step_s'] * 1e3:.2f} ms", f"{m['stall_s'] * 1e3:.3f} ms",
-                      f"{m['stall_over_blocking_pause']:.4f}", f"{m['stall_over_d2d_copy']:.3f}",
-                      f"{m['gap_excess_median_s'] * 1e3:.2f} ms", f"{m['arrival_median_s'] * 1e3:.1f} ms")
-    console = Console()
-    console.print(table)
-    console.print(f"one device-to-device copy of the model: {r['d2d_copy_s'] * 1e3:.2f} ms "
-                  f"({r['d2d_copy_GBps']:.0f} GB/s); batch {r['batch']}, {r['refits']} refits a mode")
+    rows = [[m["source"], m["mode"] + ("" if m["device_fraction"] is None else f" ({m['device_fraction']:g} on GPU)"),
+             f"{m['tokens_per_s_without_refits']:.0f}", f"{m['tokens_per_s_with_refits']:.0f}",
+             f"{m['throughput_ratio']:.3f}", f"{m['median_step_s'] * 1e3:.2f} ms", f"{m['stall_s'] * 1e3:.3f} ms",
+             f"{m['stall_over_blocking_pause']:.4f}", f"{m['stall_over_d2d_copy']:.3f}",
+             f"{m['gap_excess_median_s'] * 1e3:.2f} ms", f"{m['arrival_median_s'] * 1e3:.1f} ms"] for m in r["modes"]]
+    print_modes(f"refit bench --path staged --device cuda: {r['model']}, {r['bytes'] / GB:.1f} GB, {r['device']}, "
+                f"a refit every {r['interval_s']}s",
+                ("source", "mode", "tok/s no refit", "tok/s refits", "ratio", "step", "stall", "stall/blocking",
+                 "stall/d2d", "gap excess", "arrival"), rows,
+                f"one device-to-device copy of the model: {r['d2d_copy_s'] * 1e3:.2f} ms "
+                f"({r['d2d_copy_GBps']:.0f} GB/s); batch {r['batch']}, {r['refits']} refits a mode", labels=2)
 
 
 def run(args) -> int:
@@ -228,8 +222,5 @@ def run(args) -> int:
     if not 0.0 < args.staging_fraction <= 1.0:
         raise ConfigError(f"--staging-fraction must be within (0, 1], got {args.staging_fraction}")
     result = run_bench(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
+    show(result, args.json, print_table)
     return 0

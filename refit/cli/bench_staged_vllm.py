@@ -17,10 +17,11 @@ no request got a token that overlaps each refit, less the median gap without ref
 
 from __future__ import annotations
 
-import json
+import contextlib
 import statistics
 import time
 
+from refit.cli.bench_staged import mode_cells, mode_columns, print_modes
 from refit.cli.bench_vllm import _model_size, bench_config
 from refit.control.synchronizer import ReshardWeightSynchronizer
 from refit.engines.vllm.serving import median_gap, token_gaps
@@ -103,31 +104,20 @@ def run_bench(args) -> dict:
 
 
 def print_table(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"refit bench --path staged --engine vllm: {r['layout']}, {r['device']}, "
-                        f"a refit every {r['interval_s']}s")
-    for col in ("mode", "tok/s no refit", "tok/s refits", "ratio", "median gap", "stall", "stall / blocking",
-                "gap excess", "gap / blocking", "transfer", "lost"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for m in r["modes"]:
-        table.add_row(m["mode"], f"{m['tokens_per_s_without_refits']:.0f}", f"{m['tokens_per_s_with_refits']:.0f}",
-                      f"{m['throughput_ratio']:.2f}", f"{m['median_token_gap_s'] * 1e3:.1f} ms",
-                      f"{m['stall_s'] * 1e3:.1f} ms", f"{m['stall_over_blocking_pause']:.3f}",
-                      f"{m['gap_excess_median_s'] * 1e3:.1f} ms", f"{m['gap_excess_over_blocking']:.2f}",
-                      f"{m['transfer_median_s'] * 1e3:.0f} ms", str(m["lost_or_cut"]))
-    console = Console()
-    console.print(table)
-    console.print(f"Llama {r['layers']} layers x hidden {r['hidden']}: {r['params'] / 1e6:.1f}M fp32 params, "
-                  f"{r['bytes_per_refit'] / 1e6:.0f} MB per refit; {r['batch']} requests in flight, "
-                  f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens a request")
+    rows = [[m["mode"], *mode_cells(m, "median_token_gap_s", 1), f"{m['transfer_median_s'] * 1e3:.0f} ms",
+             str(m["lost_or_cut"])] for m in r["modes"]]
+    print_modes(f"refit bench --path staged --engine vllm: {r['layout']}, {r['device']}, "
+                f"a refit every {r['interval_s']}s", ("mode", *mode_columns("median gap"), "transfer", "lost"), rows,
+                f"Llama {r['layers']} layers x hidden {r['hidden']}: {r['params'] / 1e6:.1f}M fp32 params, "
+                f"{r['bytes_per_refit'] / 1e6:.0f} MB per refit; {r['batch']} requests in flight, "
+                f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens a request")
 
 
 def run(args) -> int:
     import os
 
-    from refit.cli.demo_vllm import missing_dependency, stdout_to_stderr
+    from refit.cli.demo_vllm import require_vllm
+    from refit.cli.output import show, stdout_to_stderr
     from refit.errors import ConfigError
 
     if args.device != "cpu" or args.transport != "nccl":
@@ -140,14 +130,9 @@ def run(args) -> int:
         raise ConfigError(f"--path staged --engine vllm: --hidden {args.hidden}: give a multiple of "
                           f"{2 * 64 * args.dst_tp} (head_dim 64, and the KV heads, hidden/128, split over "
                           f"--dst-tp {args.dst_tp})")
-    missing = missing_dependency()
-    if missing:
-        raise ConfigError(f"--engine vllm {missing}")
+    require_vllm()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' processes inherit it
-    if args.json:
-        with stdout_to_stderr():
-            result = run_bench(args)
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(run_bench(args))
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():
+        result = run_bench(args)
+    show(result, args.json, print_table)
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from refit.cli.output import show
 from refit.errors import ConfigError, LayoutError
 from refit.layout import mesh_coords_of, region_shape, shard_region
 from refit.models.fp8 import quantize_reference
@@ -508,10 +508,7 @@ def run(args) -> int:
     result = run_sync_bench(args)
     if result["layout_note"] and args.json:
         print(result["layout_note"], file=sys.stderr)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_sync_table(result)
+    show(result, args.json, print_sync_table)
     ok = result["verified"] and result["correct"] and result["same_bytes"]
     if not ok:
         print(f"refit bench --path sync: verified={result['verified']} correct={result['correct']} "

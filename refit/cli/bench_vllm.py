@@ -179,7 +179,7 @@ def print_table(result: dict) -> None:
 
 def check_args(args) -> None:
     """Refuse what cannot run, and fill in the defaults, before vLLM is imported."""
-    from refit.cli.demo_vllm import missing_dependency
+    from refit.cli.demo_vllm import require_vllm
     from refit.errors import ConfigError
 
     if args.path != "transport" or args.device != "cpu" or args.transport != "nccl":
@@ -191,33 +191,12 @@ def check_args(args) -> None:
     if args.hidden % (2 * 2 * HEAD_DIM):
         raise ConfigError(f"--engine vllm: --hidden {args.hidden}: give a multiple of 256 (head_dim 64, and the "
                           "KV heads, hidden/128, split over TP2)")
-    missing = missing_dependency()
-    if missing:
-        raise ConfigError(f"--engine vllm {missing}")
+    require_vllm()
 
 
 def run(args) -> int:
-    import json
-    import os
-
-    from refit.cli.demo_vllm import stdout_to_stderr
+    from refit.cli.demo_vllm import run_on_vllm
 
     check_args(args)
-    from refit.errors import RefitError
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' processes inherit it
-    try:
-        if args.json:
-            with stdout_to_stderr():
-                result = run_bench(args)
-            print(json.dumps(result, indent=2))
-        else:
-            from rich.console import Console
-
-            with Console().status("starting") as status:
-                result = run_bench(args, progress=lambda text: status.update(text))
-            print_table(result)
-    except RefitError as e:
-        print(f"refit bench --engine vllm failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0 if result["correct"] else 1
+    result = run_on_vllm(run_bench, args, print_table, "refit bench --engine vllm failed", file=sys.stderr)
+    return 0 if result is not None and result["correct"] else 1

@@ -19,29 +19,29 @@ import os
 from collections.abc import Callable, Iterable
 
 
-def _number(text: str, kind: type) -> int | float:
-    try:
-        value = kind(text)
-    except ValueError:
-        noun = "an integer" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-    if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
+def _bounded(kind: type, ok: Callable[[int | float], bool], must: str, name: str) -> Callable[[str], int | float]:
+    """An argparse type named ``name``: the text read as ``kind`` (a finite number), refused unless ``ok``."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            noun = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
-    return value
+positive_int = _bounded(int, lambda v: v >= 1, "a positive integer", "positive_int")
+non_negative_int = _bounded(int, lambda v: v >= 0, "0 or more", "non_negative_int")
+positive_float = _bounded(float, lambda v: v > 0, "a positive number", "positive_float")
+non_negative_float = _bounded(float, lambda v: v >= 0, "0 or more", "non_negative_float")
 
 
 # Ranks a command may start per core of this host (os.cpu_count()), each a process, a Ray actor
@@ -103,20 +103,6 @@ def model_size(key: str) -> Callable[[str], int]:
 
     parse.__name__ = "model_size"
     return parse
-
-
-def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
-    return value
 
 
 def positive_int_list(text: str) -> list[int]:

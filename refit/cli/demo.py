@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ import threading
 import time
 
 from refit.cli.checks import check_cuda, check_ranks, non_negative_int, positive_float, positive_int
+from refit.cli.output import run_live
 from refit.errors import ConfigError
 
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
@@ -476,7 +476,6 @@ def run(args) -> int:
             print(f"refit demo: could not start or join {where}: {failure}", file=sys.stderr)
             return 2
         started = True
-    from refit.errors import RefitError
 
     gpus = int(ray.cluster_resources().get("GPU", 0)) if args.device == "cuda" else 0
     short = gpu_shortfall(args, sizes, gpus) if args.device == "cuda" else None
@@ -485,30 +484,20 @@ def run(args) -> int:
             ray.shutdown()
         raise ConfigError(short)
     ray_said = io.StringIO()
+    preface = (f"At step {args.kill_step} the demo SIGKILLs shard {args.kill_shard} worker 0 as its transfer "
+               "starts, to show a sync that loses an engine and recovers; Ray's report of that death is kept out "
+               "of this terminal." if args.kill_step else None)
     try:
-        if args.json:
-            # Ray prints a killed worker's obituary on stdout; --json keeps stdout for the JSON alone
-            with contextlib.redirect_stdout(sys.stderr):
-                result = run_demo(args, gpus=gpus)
-            print(json.dumps(result, indent=2, default=str))
-        else:
-            from rich.console import Console
-
-            console = Console(file=sys.stdout, width=None if Console().is_terminal else 150)
-            if args.kill_step:
-                console.print(f"At step {args.kill_step} the demo SIGKILLs shard {args.kill_shard} worker 0 as its "
-                              "transfer starts, to show a sync that loses an engine and recovers; Ray's report of "
-                              "that death is kept out of this terminal.")
-            # Ray's driver prints the errors its cluster reports (the worker the demo kills) on
-            # sys.stdout from a thread of its own: they go to a buffer, the demo's own lines do not
-            with console.status("starting") as status, contextlib.redirect_stdout(ray_said):
-                result = run_demo(args, progress=lambda text: status.update(text), gpus=gpus)
-            print_table(result)
+        # Ray's driver prints the errors its cluster reports (the worker the demo kills) on stdout,
+        # from a thread of its own: with --json to stderr, in a terminal to a file the demo names
+        result = run_live(lambda **kw: run_demo(args, gpus=gpus, **kw), args.json, print_table, "refit demo failed",
+                          quiet=lambda: contextlib.redirect_stdout(sys.stderr), preface=preface,
+                          aside=lambda: contextlib.redirect_stdout(ray_said))
+        if not args.json:
             _note_ray_messages(ray_said.getvalue())
-    except RefitError as e:
-        print(f"refit demo failed: {type(e).__name__}: {e}")
-        return 1
     finally:
         if started:
             ray.shutdown()
+    if result is None:
+        return 1
     return 0 if result["all_verified_and_logits_match"] and result["killed_shard_readmitted"] else 1

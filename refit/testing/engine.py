@@ -13,7 +13,8 @@ rank, and ``generate`` greedy tokens: comparing them with a Hugging Face forward
 trainer's weights is what shows that every byte landed in the right place. TP groups:
 ``TorchTPComm`` (a ``torch.distributed`` group), ``StatelessTPComm`` (a
 ``refit.StatelessProcessGroup``), ``ThreadTPComm`` (threads of one process). ``EngineWorker``
-is the same engine shaped for ``refit.runtime.ray.RayFleet``.
+is the same engine shaped for ``refit.runtime.ray.RayFleet``; ``CanonicalTrainer`` a trainer to
+refit it from.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -30,16 +31,17 @@ import torch
 import torch.nn.functional as F
 
 from refit.errors import InconsistentWeights, LayoutError
-from refit.layout import mesh_coords_of, shard_slices
+from refit.layout import Shard, mesh_coords_of, shard_slices
 from refit.models.fp8 import dequantize
 from refit.models.fused import FusedLayout, offset_entries
 from refit.models.megatron import Entry
 from refit.models.specs import ModelSpec, hf_config_dict, load_hf_config
 from refit.plan.quant import BlockFp8
+from refit.runtime.endpoint import TrainerEndpoint
 from refit.runtime.engine_endpoint import EngineEndpoint
 
-__all__ = ["EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm", "ThreadTPComm", "TorchTPComm",
-           "random_canonical_state", "shared_gpu"]
+__all__ = ["CanonicalTrainer", "EngineConfig", "EngineShard", "EngineWorker", "TPComm", "StatelessTPComm",
+           "ThreadTPComm", "TorchTPComm", "on_tp_threads", "random_canonical_state", "shared_gpu"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,31 @@ def random_canonical_state(spec: ModelSpec, *, seed: int = 0, std: float = 0.02,
             t = std * t
         out[p.name] = t.to(dtype)
     return out
+
+
+class CanonicalTrainer(TrainerEndpoint):
+    """A trainer holding the canonical (HF) weights of a step (``random_canonical_state`` seeded with
+    it), cut along dim 0 over the trainer ranks: the source the reference engines are refit from."""
+
+    def __init__(self, rank: int, world_size: int, *, config: dict, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.spec = rank, world_size, EngineConfig.from_hf(config).spec
+        self.shapes = {p.name: tuple(p.shape) for p in self.spec.params()}
+        self.params: dict[str, torch.Tensor] = {}
+        self.set_step(0)
+
+    def set_step(self, step: int) -> int:
+        for name, full in random_canonical_state(self.spec, seed=step).items():
+            local = full[shard_slices(full.shape, [self.world_size], [self.rank], [Shard(0)])].contiguous()
+            if name in self.params:
+                self.params[name].copy_(local)
+            else:
+                self.params[name] = local
+        return step
+
+    def refit_sources(self) -> dict[str, Any]:
+        mesh = list(range(self.world_size))
+        return {n: (t, self.shapes[n], mesh, [Shard(0)]) for n, t in self.params.items()}
 
 
 class TPComm(Protocol):
@@ -171,6 +198,32 @@ class ThreadTPComm:
     def abort(self) -> None:
         """Release ranks waiting in a collective (after one rank failed)."""
         self._shared["barrier"].abort()
+
+
+def on_tp_threads(shard: Sequence[EngineShard], fn: Callable[[EngineShard], Any]) -> list[Any]:
+    """``fn(engine)`` for every TP rank of one shard, each on a thread of its own (every rank must join
+    each collective); the results by rank. A rank that raises aborts its comm where the comm can
+    abort (``ThreadTPComm``), which releases the others, and the first error is raised."""
+    out: list[Any] = [None] * len(shard)
+    errors: list[BaseException] = []
+
+    def go(r: int) -> None:
+        try:
+            out[r] = fn(shard[r])
+        except BaseException as e:
+            errors.append(e)
+            abort = getattr(shard[r].comm, "abort", None)
+            if abort is not None:
+                abort()
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(shard))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 class EngineShard(EngineEndpoint):

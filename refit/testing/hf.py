@@ -39,57 +39,42 @@ __all__ = ["HFTrainer", "HFTrainerWorker", "build_config", "build_model", "check
 
 # -- configs and models ------------------------------------------------------------------------
 
-def tiny_llama_config(**overrides: Any):
-    """A Llama-shaped config small enough for CPU tests (GQA 2:1, 2 layers, hidden 64)."""
-    from transformers import LlamaConfig
+def _tiny(config: str, overrides: dict[str, Any], **shape: Any):
+    """transformers' ``config`` class at the tests' size (vocab 128, hidden 64, 2 layers, 4 heads, GQA 2:1,
+    untied), with the model's own ``shape`` and then the caller's ``overrides`` on top."""
+    import transformers
 
     kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return getattr(transformers, config)(**{**kw, **shape, **overrides})
+
+
+def tiny_llama_config(**overrides: Any):
+    """A Llama-shaped config small enough for CPU tests (GQA 2:1, 2 layers, hidden 64)."""
+    return _tiny("LlamaConfig", overrides, head_dim=16)
 
 
 def tiny_qwen2_config(**overrides: Any):
     """A Qwen2-shaped config for CPU tests: biases on q/k/v (and none on o), GQA 2:1, hidden 64."""
-    from transformers import Qwen2Config
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, use_sliding_window=False)
-    kw.update(overrides)
-    return Qwen2Config(**kw)
+    return _tiny("Qwen2Config", overrides, use_sliding_window=False)
 
 
 def tiny_qwen3_config(**overrides: Any):
     """A dense Qwen3-shaped config for CPU tests: per-head q/k RMSNorms, one key/value head, tied embeddings."""
-    from transformers import Qwen3Config
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
-    kw.update(overrides)
-    return Qwen3Config(**kw)
+    return _tiny("Qwen3Config", overrides, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
 
 
 def tiny_gemma_config(**overrides: Any):
     """A Gemma-shaped config for CPU tests: RMSNorm scaled by ``1 + weight``, embeddings scaled by sqrt(hidden),
     a tanh-GELU MLP. Untied, so a trainer can split the head and the embedding over tp."""
-    from transformers import GemmaConfig
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-              hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
-    kw.update(overrides)
-    return GemmaConfig(**kw)
+    return _tiny("GemmaConfig", overrides, head_dim=16, hidden_act="gelu_pytorch_tanh",
+                 hidden_activation="gelu_pytorch_tanh")
 
 
 def tiny_qwen3_moe_config(**overrides: Any):
     """A Qwen3-MoE-shaped config for CPU tests (4 experts, top-2, q/k norms, hidden 64)."""
-    from transformers import Qwen3MoeConfig
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-              num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
-    kw.update(overrides)
-    return Qwen3MoeConfig(**kw)
+    return _tiny("Qwen3MoeConfig", overrides, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                 norm_topk_prob=True, head_dim=16)
 
 
 def build_model(config: Any, *, seed: int = 0):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_conns
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import new_secret
 from refit.errors import RefitError
+from refit.runtime.handles import serve_pipe
 
 LOAD_FACTOR_ENV = "REFIT_TEST_LOAD_FACTOR"
 
@@ -53,23 +53,9 @@ class WorkerError(RefitError):
 
 
 def serve_requests(conn, call: Callable[[Callable[..., Any], tuple, dict], Any]) -> None:
-    """A worker's loop: answer each ``(fn, args, kwargs)`` from ``conn`` with ``call(fn, args, kwargs)``.
-
-    Answers are ``("ok", result)`` or ``("err", (exception type name, traceback))``; the loop
-    ends at ``None`` or when the parent's end of the pipe is gone.
-    """
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
-        fn, args, kwargs = msg
-        try:
-            conn.send(("ok", call(fn, args, kwargs)))
-        except BaseException as e:  # reported to the parent
-            conn.send(("err", (type(e).__name__, traceback.format_exc())))
+    """A fleet worker's loop (``serve_pipe``): answer each ``(id, fn, args, kwargs)`` from ``conn`` with
+    ``call(fn, args, kwargs)``; a failure goes back as ``(exception type name, traceback)``."""
+    serve_pipe(conn, call, error=lambda e, tb: (type(e).__name__, tb))
 
 
 def _worker(rank: int, world_size: int, port: int, secret: bytes, conn, threads: int) -> None:
@@ -107,42 +93,51 @@ class LocalFleet:
 
     def run(self, fn: Callable[..., Any], *args, timeout_s: float = 120.0, **kwargs) -> list[Any]:
         """Run ``fn(group, *args, **kwargs)`` on every rank; return the results by rank."""
-        for c in self._conns:
-            c.send((fn, args, kwargs))
+        for r, c in enumerate(self._conns):
+            c.send((r, fn, args, kwargs))
         return self._collect(timeout_s)
 
     def run_per_rank(self, calls: list[tuple[Callable[..., Any], tuple]], *, timeout_s: float = 120.0) -> list[Any]:
-        for c, (fn, args) in zip(self._conns, calls):
-            c.send((fn, args, {}))
+        for r, (c, (fn, args)) in enumerate(zip(self._conns, calls)):
+            c.send((r, fn, args, {}))
         return self._collect(timeout_s)
 
-    def _collect(self, timeout_s: float) -> list[Any]:
+    def _replies(self, ranks, timeout_s: float) -> tuple[dict[int, tuple[bool, Any] | None], list[int]]:
+        """The answers ``(ok, value)`` of ``ranks`` by rank (None for a rank whose process ended), and
+        the ranks that did not answer within ``timeout_s``."""
         import time
 
         deadline = time.monotonic() + timeout_s
-        results: dict[int, Any] = {}
-        failures: dict[int, tuple[str, str]] = {}
-        pending = {c: r for r, c in enumerate(self._conns)}
+        replies: dict[int, tuple[bool, Any] | None] = {}
+        pending = {self._conns[r]: r for r in ranks}
         while pending:
             left = deadline - time.monotonic()
-            ready = wait_conns(list(pending), timeout=max(0.0, left)) if left > 0 else []
+            ready = wait_conns(list(pending), timeout=left) if left > 0 else []
             if not ready:
-                self.close(kill=True)
-                raise RefitError(f"LocalFleet: ranks {sorted(pending.values())} did not finish within {timeout_s}s")
+                return replies, sorted(pending.values())
             for c in ready:
                 r = pending.pop(c)
                 try:
-                    status, value = c.recv()
+                    _, ok, value = c.recv()
+                    replies[r] = (ok, value)
                 except EOFError:
-                    failures[r] = ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})")
-                    continue
-                if status == "ok":
-                    results[r] = value
-                else:
-                    failures[r] = value
+                    replies[r] = None
+        return replies, []
+
+    def _collect(self, timeout_s: float) -> list[Any]:
+        replies, late = self._replies(range(self.world_size), timeout_s)
+        if late:
+            self.close(kill=True)
+            raise RefitError(f"LocalFleet: ranks {late} did not finish within {timeout_s}s")
+        failures: dict[int, tuple[str, str]] = {}
+        for r, reply in replies.items():
+            if reply is None:
+                failures[r] = ("ProcessDied", f"rank {r} exited (code {self._procs[r].exitcode})")
+            elif not reply[0]:
+                failures[r] = reply[1]
         if failures:
             raise WorkerError(failures)
-        return [results[r] for r in range(self.world_size)]
+        return [replies[r][1] for r in range(self.world_size)]
 
     def close(self, kill: bool = False) -> None:
         for c in self._conns:
@@ -180,6 +175,60 @@ def rebuild_group(group, port: int, secret: bytes, peer: str | None = None, init
     return StatelessProcessGroup("127.0.0.1", port, group.rank, group.world_size, backend="nccl",
                                  device=group.device, peer=peer or group.peer, timeout_s=120,
                                  init_timeout_s=init_timeout_s, secret=secret)
+
+
+def abort_blocked_recv(group, comm=None, *, delay_s: float = 0.3, nbytes: int = 1 << 20) -> dict:
+    """A job for a 2-rank ``DeviceFleet``: rank 1 blocks in an NCCL receive on ``comm`` (``group``, or a
+    split child of it) that rank 0 never sends, and a thread aborts ``group`` after ``delay_s``.
+
+    Rank 1 answers the error its wait raised, ``release_s`` (from the abort to the release),
+    ``abort_call_s`` (how long ``abort()`` took) and ``kernel_ended_after_abort`` (the aborted
+    kernel's stream moved on); rank 0 answers ``{}``.
+    """
+    import math
+    import threading
+    import time
+
+    import torch
+
+    from refit.comm.group import GroupAborted
+
+    comm = group if comm is None else comm
+    # NCCL connects p2p lazily: exchange a few bytes first, so the recv below is a running kernel
+    peer = 1 - comm.rank
+    a = torch.ones(16, dtype=torch.uint8, device=group.device)
+    b = torch.empty(16, dtype=torch.uint8, device=group.device)
+    comm.p2p_group([(b, peer)], [(a, peer)])
+    torch.cuda.synchronize()
+    group.barrier()
+    if group.rank == 0:  # never sends; keeps the store alive until rank 1 is released
+        time.sleep(delay_s + 3.0)
+        group.abort()
+        return {}
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    fired = {}
+
+    def aborter():
+        time.sleep(delay_s)
+        fired["t"] = time.monotonic()
+        group.abort()
+        fired["done"] = time.monotonic()
+
+    th = threading.Thread(target=aborter, daemon=True)
+    th.start()
+    err, work = None, None
+    try:
+        work = comm.irecv(buf, 0)
+        comm.wait(work)
+    except GroupAborted as e:
+        err = type(e).__name__
+    released = time.monotonic()
+    th.join(10)
+    limit = time.monotonic() + 10  # the aborted kernel really ended: its stream moves on
+    while work is not None and not work.event.query() and time.monotonic() < limit:
+        time.sleep(0.01)
+    return {"error": err, "release_s": released - fired["t"], "abort_call_s": fired.get("done", math.nan) - fired["t"],
+            "kernel_ended_after_abort": bool(work is not None and work.event.query())}
 
 
 def _device_worker(rank: int, world_size: int, port: int, secret: bytes, conn, peer: str,

@@ -57,6 +57,21 @@ class _Posted:
     work: object
 
 
+def _direct_or_staged(buckets: list[Bucket], tensors: TensorMap, side: str
+                      ) -> tuple[list[tuple[Bucket, torch.Tensor]], dict[int, list[Bucket]]]:
+    """``buckets`` that move straight from or into a view of their tensor, with that view, and the
+    others (staged) by round."""
+    direct: list[tuple[Bucket, torch.Tensor]] = []
+    staged: dict[int, list[Bucket]] = {}
+    for b in buckets:
+        view = direct_view(b, tensors, side)
+        if view is not None:
+            direct.append((b, view))
+        else:
+            staged.setdefault(b.index, []).append(b)
+    return direct, staged
+
+
 class RoundsExecutor(Executor):
     """Runs a ``RankPlan`` by rounds on the host; see the module docstring."""
 
@@ -80,20 +95,8 @@ class RoundsExecutor(Executor):
         device = self.device or device_of(src, dst)
         if self._pool is None or self._pool.device != device:
             self._pool = StagingPool(device)
-        self._direct_recvs, self._direct_sends = [], []
-        self._staged_recvs, self._staged_sends = {}, {}
-        for b in self.plan.recvs:
-            view = direct_view(b, dst, "dst")
-            if view is not None:
-                self._direct_recvs.append((b, view))
-            else:
-                self._staged_recvs.setdefault(b.index, []).append(b)
-        for b in self.plan.sends:
-            view = direct_view(b, src, "src")
-            if view is not None:
-                self._direct_sends.append((b, view))
-            else:
-                self._staged_sends.setdefault(b.index, []).append(b)
+        self._direct_recvs, self._staged_recvs = _direct_or_staged(self.plan.recvs, dst, "dst")
+        self._direct_sends, self._staged_sends = _direct_or_staged(self.plan.sends, src, "src")
 
     def _run(self, *, verify: bool, corrupt: Corruption | None,
              production: SourceProduction | None = None) -> TransferStats:

@@ -319,6 +319,24 @@ class _Schedule:
     windows: list[_Window] = field(default_factory=list)
 
 
+def _post_ops(buckets: list[Bucket], views: dict, arena: StagingArena | None, lanes: Lanes, raw: bool,
+              slots: list, staged: list, direct: list) -> list:
+    """The wire ops of one round's ``buckets`` (one side): a bucket with a view of its own tensor
+    (``views``) goes from it (into ``direct``), any other from a slot of ``arena`` (into ``staged``,
+    its slot into ``slots``). An op is ``(address, bytes, peer)`` when ``raw``, else ``(view, peer)``."""
+    ops = []
+    for b in buckets:
+        view = views[(b.peer, b.index)]
+        if view is None:
+            view, slot = arena.alloc(b.nbytes, lanes)
+            slots.append(slot)
+            staged.append((b, view))
+        else:
+            direct.append((b, view))
+        ops.append((view.data_ptr(), b.nbytes, b.peer) if raw else (view, b.peer))
+    return ops
+
+
 class StreamedExecutor(Executor):
     """Runs a ``RankPlan`` with the three-lane pipeline; see the module docstring.
 
@@ -447,29 +465,13 @@ class StreamedExecutor(Executor):
             per_round, unpacks, direct_received, send_slots, recv_slots = [], [], [], [], []
             staged_sends, direct_sends = [], []
             for r in w.rounds:
-                recv_ops, send_ops = [], []
-                for b in self._recv_by_round.get(r, []):
-                    view = sched.recv_views[(b.peer, b.index)]
-                    if view is None:
-                        view, slot = arena.alloc(b.nbytes, lanes)
-                        recv_slots.append(slot)
-                        unpacks.append((b, view))
-                    else:
-                        direct_received.append((b, view))
-                    recv_ops.append((view.data_ptr(), b.nbytes, b.peer) if raw else (view, b.peer))
-                    stats.bytes_received += b.nbytes
-                    stats.buckets_received += 1
-                for b in self._send_by_round.get(r, []):
-                    view = sched.send_views[(b.peer, b.index)]
-                    if view is None:
-                        view, slot = arena.alloc(b.nbytes, lanes)
-                        send_slots.append(slot)
-                        staged_sends.append((b, view))
-                    else:
-                        direct_sends.append((b, view))
-                    send_ops.append((view.data_ptr(), b.nbytes, b.peer) if raw else (view, b.peer))
-                    stats.bytes_sent += b.nbytes
-                    stats.buckets_sent += 1
+                recvs, sends = self._recv_by_round.get(r, []), self._send_by_round.get(r, [])
+                recv_ops = _post_ops(recvs, sched.recv_views, arena, lanes, raw, recv_slots, unpacks, direct_received)
+                send_ops = _post_ops(sends, sched.send_views, arena, lanes, raw, send_slots, staged_sends, direct_sends)
+                stats.bytes_received += sum(b.nbytes for b in recvs)
+                stats.buckets_received += len(recvs)
+                stats.bytes_sent += sum(b.nbytes for b in sends)
+                stats.buckets_sent += len(sends)
                 per_round.append((r, recv_ops, send_ops))
             made = False
             if production is not None:

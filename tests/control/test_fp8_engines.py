@@ -10,8 +10,6 @@ dequantized weights.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -23,7 +21,7 @@ from refit.models.fp8 import dequantize, quantize_reference
 from refit.models.fused import FusedLayout
 from refit.plan.quant import BlockFp8, scale_name
 from refit.runtime.endpoint import TrainerEndpoint
-from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state
+from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, on_tp_threads, random_canonical_state
 from refit.testing.hf import tiny_llama_config, tiny_qwen3_moe_config
 
 FMT = BlockFp8((8, 8))
@@ -49,25 +47,6 @@ class CanonicalTrainer(TrainerEndpoint):
 
     def refit_sources(self):
         return {n: (t, self.shapes[n], list(range(self.world)), [self.placements[n]]) for n, t in self.state.items()}
-
-
-def run_forward(engines: list[EngineShard]) -> torch.Tensor:
-    out, errors = [None] * len(engines), []
-
-    def go(r):
-        try:
-            out[r] = engines[r].forward(PROMPT)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(engines))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out[0]
 
 
 @pytest.mark.timeout(120)
@@ -104,7 +83,7 @@ def test_fp8_engines_hold_the_reference_bits_and_compute_the_dequantized_models_
     plain.load_canonical(dequantized)
     want = plain.forward(PROMPT)
     for shard in engines:
-        got = run_forward(shard)
+        got = on_tp_threads(shard, lambda e: e.forward(PROMPT))[0]
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
     unquantized = EngineShard(econf)
     unquantized.load_canonical(state)

@@ -84,6 +84,14 @@ def heal(fleet, sync, killed):
         sync.replace_shard(shard, fleet.restart_shard(shard, workers))
 
 
+def readmit(fleet, sync, killed, step):
+    """``heal`` the killed workers; the sync of ``step`` then verifies over both shards."""
+    heal(fleet, sync, killed)
+    set_step(fleet, step)
+    res = sync.sync_weights()
+    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, step) == {}
+
+
 class PhaseKiller:
     """Sends ``sig`` to engine workers ``delay_s`` after the sync enters ``phase``."""
 
@@ -106,6 +114,18 @@ class PhaseKiller:
         assert self.timer is not None, f"the sync never entered phase {self.phase!r}"
         self.timer.join(timeout=30)
         assert self.at is not None
+
+
+def sync_killing(fleet, sync, step, phase, delay_s, targets):
+    """``sync.sync_weights()`` of ``step`` while a ``PhaseKiller`` kills ``targets`` in ``phase``; the result."""
+    killer = PhaseKiller(fleet, phase, delay_s, targets)
+    sync.on_phase = killer
+    set_step(fleet, step)
+    try:
+        return sync.sync_weights()
+    finally:
+        sync.on_phase = None
+        killer.join()
 
 
 def resources(fleet):
@@ -228,19 +248,11 @@ def test_every_shard_killed_raises_no_surviving_shards(fleet):
     sync = make_sync(fleet)
     sync.init_communicator()
     killed = [(0, 0), (1, 1)]
-    killer = PhaseKiller(fleet, "transfer", 0.1, killed)
-    sync.on_phase = killer
-    set_step(fleet, 200)
     with pytest.raises(NoSurvivingShards, match="all 2 generation shards are gone"):
-        sync.sync_weights()
-    killer.join()
-    sync.on_phase = None
+        sync_killing(fleet, sync, 200, "transfer", 0.1, killed)
     with pytest.raises(NoSurvivingShards):
         sync.sync_weights()  # and stays so, without hanging, until shards come back
-    heal(fleet, sync, killed)
-    set_step(fleet, 201)
-    res = sync.sync_weights()
-    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, 201) == {}
+    readmit(fleet, sync, killed, 201)
     sync.shutdown()
 
 
@@ -267,18 +279,10 @@ def test_collective_baseline_recovers_from_a_kill_mid_transfer(fleet):
     sync.init_communicator()
     set_step(fleet, 400)
     assert sync.sync_weights().verified and wrong_weights(fleet, 400) == {}
-    killer = PhaseKiller(fleet, "transfer", 0.15, [(0, 1)])
-    sync.on_phase = killer
-    set_step(fleet, 401)
-    res = sync.sync_weights()
-    sync.on_phase = None
-    killer.join()
+    res = sync_killing(fleet, sync, 401, "transfer", 0.15, [(0, 1)])
     assert res.verified and res.recovered and res.shards == [1]
     assert wrong_weights(fleet, 401, skip={(0, 0), (0, 1)}) == {}
-    heal(fleet, sync, [(0, 1)])
-    set_step(fleet, 402)
-    res = sync.sync_weights()
-    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, 402) == {}
+    readmit(fleet, sync, [(0, 1)], 402)
     sync.shutdown()
 
 
@@ -294,17 +298,9 @@ def test_shard_lost_between_syncs_then_killed_again_while_being_readmitted(fleet
     assert wrong_weights(fleet, 500, skip={(1, 0), (1, 1)}) == {}
 
     heal(fleet, sync, [(1, 0)])
-    killer = PhaseKiller(fleet, "build", 0.0, [(1, 0)])  # the fresh worker dies during the rendezvous
-    sync.on_phase = killer
-    set_step(fleet, 501)
-    res = sync.sync_weights()
-    sync.on_phase = None
-    killer.join()
+    res = sync_killing(fleet, sync, 501, "build", 0.0, [(1, 0)])  # the fresh worker dies during the rendezvous
     assert res.verified and res.recovered and res.shards == [0]
     assert wrong_weights(fleet, 501, skip={(1, 0), (1, 1)}) == {}
 
-    heal(fleet, sync, [(1, 0)])
-    set_step(fleet, 502)
-    res = sync.sync_weights()
-    assert res.verified and res.shards == [0, 1] and wrong_weights(fleet, 502) == {}
+    readmit(fleet, sync, [(1, 0)], 502)
     sync.shutdown()

@@ -48,14 +48,6 @@ def start_fleet(sizes):
         return trainer.result(), [[f.result() for f in shard] for shard in engines]
 
 
-@pytest.fixture
-def closing():
-    handles = []
-    yield handles
-    for h in handles:
-        h.close()
-
-
 def first_sync(sizes, closing, units):
     """A fleet, a synchronizer whose deadline is ``units`` times this run's start-up, after one verified sync.
 

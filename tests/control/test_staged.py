@@ -9,32 +9,22 @@ is checked against a reference engine holding the weights of the version it says
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import signal
 import time
 
 import pytest
 import torch
 from helpers.staged_jobs import StagedEngine
-from helpers.torn_jobs import LLAMA, ReferenceTrainer, canonical_state
+from helpers.torn_jobs import CALL_S, LLAMA, ReferenceTrainer, canonical_state, start, start_reference_fleet
 
 import refit
-from refit.comm.group import free_port
 from refit.control import NoAbsentShard, RefitWorkerError
 from refit.errors import InconsistentWeights, RefitError
-from refit.runtime.handles import ProcessWorker
 from refit.testing.engine import EngineConfig, EngineShard
-from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 NEW_TOKENS = 3
-CALL_S = scaled(120.0)
 _REFERENCE: dict[int, EngineShard] = {}
-
-
-def _start(factory, *args, name, **kwargs):
-    return ProcessWorker(factory, *args, name=name, start_timeout_s=CALL_S, **kwargs)
 
 
 def reference(step: int) -> EngineShard:
@@ -74,32 +64,13 @@ def check_served(log: dict, allowed: set[int]) -> list[dict]:
     return log["requests"]
 
 
-@pytest.fixture
-def closing():
-    handles: list = []
-    yield handles
-    for h in handles:
-        try:
-            os.kill(h.process.pid, signal.SIGCONT)
-        except OSError:
-            pass
-        h.close()
-
-
 @pytest.mark.timeout(300)
 def test_engines_generate_through_staged_refits_and_a_failed_refit_leaves_version_n_serving(closing):
     """Shard 0 (TP2) and shard 1 (TP1) of the reference engine serve in a loop from before the
     first refit (they refuse until a version is committed) through two refits and one whose
     trainer rank dies mid-transfer: nothing torn, version 2 goes on serving, and the TP2 shard's
     workers produce every token under the same version."""
-    port = free_port()
-    with cf.ThreadPoolExecutor(5) as pool:
-        trainers = [pool.submit(_start, ReferenceTrainer, r, 2, name=f"trainer rank {r}") for r in range(2)]
-        shard0 = [pool.submit(_start, StagedEngine, 0, w, 2, config=LLAMA, tp_port=port, name=f"shard 0 worker {w}")
-                  for w in range(2)]
-        shard1 = [pool.submit(_start, StagedEngine, 1, 0, 1, config=LLAMA, name="shard 1 worker 0")]
-        trainers = [f.result() for f in trainers]
-        engines = [[f.result() for f in shard0], [f.result() for f in shard1]]
+    trainers, engines = start_reference_fleet(StagedEngine)
     workers = [*engines[0], *engines[1]]
     closing += [*trainers, *workers]
     for w in workers:
@@ -150,10 +121,10 @@ def test_a_death_between_transfer_and_switch_switches_no_one_and_a_readmitted_en
     the recovered membership), and the restarted shard 1 refuses to serve until the next refit
     brings it to the current version. When it dies during staging, shard 0 alone switches."""
     with cf.ThreadPoolExecutor(4) as pool:
-        trainer = pool.submit(_start, ReferenceTrainer, 0, 1, name="trainer rank 0")
-        engines = [[pool.submit(_start, StagedEngine, s, 0, 1, config=LLAMA, name=f"shard {s} worker 0")]
+        trainer = pool.submit(start, ReferenceTrainer, 0, 1, name="trainer rank 0")
+        engines = [[pool.submit(start, StagedEngine, s, 0, 1, config=LLAMA, name=f"shard {s} worker 0")]
                    for s in range(2)]
-        fresh = pool.submit(_start, StagedEngine, 1, 0, 1, config=LLAMA, name="shard 1 worker 0 (restarted)")
+        fresh = pool.submit(start, StagedEngine, 1, 0, 1, config=LLAMA, name="shard 1 worker 0 (restarted)")
         trainer, engines, fresh = trainer.result(), [[f.result() for f in s] for s in engines], fresh.result()
     closing += [trainer, engines[0][0], engines[1][0], fresh]
     serving = engines[0][0]

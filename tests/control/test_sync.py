@@ -219,29 +219,41 @@ class StuckEngine(SyntheticEngine):
 CONNECT_S = 60.0
 
 
+def with_frozen_shard_1(synced, shards: int):
+    """A synchronizer over ``shards`` one-worker shards with deadlines of a few seconds, shard 1 a
+    ``StuckEngine``, its communicator built: the synchronizer, trainers, engines and the stuck engine."""
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, shards, 1, refit_timeout_s=5.0, grace_s=3.0,
+                                     ping_timeout_s=3.0, connect_timeout_s=CONNECT_S)
+    frozen = StuckEngine(1, 0, 1, hidden=HIDDEN)
+    sync.replace_shard(1, [frozen])
+    engines[1] = [frozen]
+    sync.init_communicator()
+    return sync, trainers, engines, frozen
+
+
+def timed_no_absent_shard(sync) -> tuple[NoAbsentShard, float]:
+    """The ``NoAbsentShard`` the next sync raises, and how long it took."""
+    t0 = time.monotonic()
+    with pytest.raises(NoAbsentShard) as info:
+        sync.sync_weights()
+    return info.value, time.monotonic() - t0
+
+
 @pytest.mark.timeout(4 * STUCK_S)
 def test_frozen_rank_raises_no_absent_shard_in_bounded_time(synced):
     """The bound is what the sync was configured with (the transfer's deadline, the settle, the probe)
     plus slack for a busy machine; the frozen rank would hold the sync for STUCK_S, far beyond it.
     Deadlines of a few seconds: with a one-second deadline, healthy ranks on a loaded machine time
     out too and the failure is no longer the frozen rank's."""
-    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 2, 1, refit_timeout_s=5.0, grace_s=3.0,
-                                     ping_timeout_s=3.0, connect_timeout_s=CONNECT_S)
-    frozen = StuckEngine(1, 0, 1, hidden=HIDDEN)
-    sync.replace_shard(1, [frozen])
-    engines[1] = [frozen]
-    sync.init_communicator()
+    sync, trainers, engines, frozen = with_frozen_shard_1(synced, 2)
     frozen.stuck.set()
     set_step(trainers, 1)
-    t0 = time.monotonic()
-    with pytest.raises(NoAbsentShard) as info:
-        sync.sync_weights()
-    elapsed = time.monotonic() - t0
+    err, elapsed = timed_no_absent_shard(sync)
     bound = sync.refit_timeout_s + sync.settle_budget_s() + sync.ping_timeout_s + SLACK_S
     assert elapsed < bound < STUCK_S, (elapsed, bound)
-    msg = str(info.value)
+    msg = str(err)
     assert "no generation shard could be identified as absent" in msg and "shard 1 worker 0" in msg
-    assert info.value.timed_out == ["shard 1 worker 0"]
+    assert err.timed_out == ["shard 1 worker 0"]
     frozen.stuck.clear()
     frozen.release.set()
     set_step(trainers, 2)
@@ -259,25 +271,17 @@ def test_frozen_rank_with_another_shard_already_out_raises_no_absent_shard_in_bo
     twice the bound. The bound is the deadline plus the settle budget plus the probe, with a
     slack far below what a second wait costs.
     """
-    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 1, 3, 1, refit_timeout_s=5.0, grace_s=3.0,
-                                     ping_timeout_s=3.0, connect_timeout_s=CONNECT_S)
-    frozen = StuckEngine(1, 0, 1, hidden=HIDDEN)
-    sync.replace_shard(1, [frozen])
-    engines[1] = [frozen]
-    sync.init_communicator()
+    sync, trainers, engines, frozen = with_frozen_shard_1(synced, 3)
     sync._engines[2][0].kill()  # shard 2 is gone: the next sync rebuilds over shards 0 and 1
     set_step(trainers, 1)
     res = sync.sync_weights()
     assert res.verified and res.shards == [0, 1] and wrong_weights(engines, 1, [0, 1]) == {}
     frozen.stuck.set()
     set_step(trainers, 2)
-    t0 = time.monotonic()
-    with pytest.raises(NoAbsentShard) as info:
-        sync.sync_weights()
-    elapsed = time.monotonic() - t0
+    err, elapsed = timed_no_absent_shard(sync)
     bound = sync.refit_timeout_s + sync.settle_budget_s() + sync.ping_timeout_s
     assert elapsed < bound + 4.0, (elapsed, bound)
-    assert info.value.timed_out == ["shard 1 worker 0"] and "shard 1 worker 0" in str(info.value)
+    assert err.timed_out == ["shard 1 worker 0"] and "shard 1 worker 0" in str(err)
     frozen.stuck.clear()
     frozen.release.set()
 

@@ -7,30 +7,30 @@ reference engine (``refit.testing.engine``) is the one that serves here.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import signal
 
 import pytest
 import torch
-from helpers.torn_jobs import LLAMA, FreezingEngine, ReferenceTrainer, ServingEngine, canonical_state
+from helpers.torn_jobs import (
+    CALL_S,
+    LLAMA,
+    FreezingEngine,
+    ReferenceTrainer,
+    ServingEngine,
+    canonical_state,
+    start,
+    start_reference_fleet,
+)
 
 import refit
-from refit.comm.group import free_port
 from refit.control import NoAbsentShard, RefitWorkerError
 from refit.errors import InconsistentWeights
-from refit.runtime.handles import ProcessWorker
 from refit.testing.engine import EngineConfig, EngineShard
-from refit.testing.launch import scaled
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
-CALL_S = scaled(120.0)
 ALL_ENGINE_WORKERS = ["shard 0 worker 0", "shard 0 worker 1", "shard 1 worker 0"]
-
-
-def _start(factory, *args, name, **kwargs):
-    return ProcessWorker(factory, *args, name=name, start_timeout_s=CALL_S, **kwargs)
 
 
 def reference_logits(step: int) -> torch.Tensor:
@@ -56,31 +56,12 @@ def states(engines) -> dict[str, dict]:
             for s, shard in enumerate(engines) for w, h in enumerate(shard)}
 
 
-@pytest.fixture
-def closing():
-    handles: list = []
-    yield handles
-    for h in handles:
-        try:
-            os.kill(h.process.pid, signal.SIGCONT)
-        except OSError:
-            pass
-        h.close()
-
-
 @pytest.mark.timeout(300)
 def test_a_trainer_killed_mid_transfer_leaves_every_engine_worker_torn_named_and_refusing(closing):
     """Shard 0 (TP2) and shard 1 (TP1) of the reference engine, 2 trainer ranks. Trainer rank 1
     dies as it packs its first bucket of the second refit, while rank 0 sends all of its own:
     the engines hold some bytes of step 2 and the rest of step 1."""
-    port = free_port()
-    with cf.ThreadPoolExecutor(5) as pool:  # a TP2 shard's workers meet in their TP group as they start
-        trainers = [pool.submit(_start, ReferenceTrainer, r, 2, name=f"trainer rank {r}") for r in range(2)]
-        shard0 = [pool.submit(_start, ServingEngine, 0, w, 2, config=LLAMA, tp_port=port, name=f"shard 0 worker {w}")
-                  for w in range(2)]
-        shard1 = [pool.submit(_start, ServingEngine, 1, 0, 1, config=LLAMA, name="shard 1 worker 0")]
-        trainers = [f.result() for f in trainers]
-        engines = [[f.result() for f in shard0], [f.result() for f in shard1]]
+    trainers, engines = start_reference_fleet(ServingEngine)
     closing += [*trainers, *engines[0], *engines[1]]
     sync = refit.ReshardWeightSynchronizer(trainers, engines, refit_timeout_s=30.0, grace_s=5.0, ping_timeout_s=5.0)
     try:
@@ -119,7 +100,7 @@ def test_a_trainer_killed_mid_transfer_leaves_every_engine_worker_torn_named_and
         sync.shutdown()
 
     # repaired: a new trainer rank 1 and a synchronizer over the same engines
-    trainers[1] = _start(ReferenceTrainer, 1, 2, name="trainer rank 1 (restarted)")
+    trainers[1] = start(ReferenceTrainer, 1, 2, name="trainer rank 1 (restarted)")
     closing.append(trainers[1])
     for t in trainers:
         t.call("set_step", 2).result(CALL_S)
@@ -142,8 +123,8 @@ def test_a_frozen_shard_names_the_healthy_workers_it_left_torn(closing):
     """Shard 1's only worker stops itself as its transfer starts; the refit fails with
     ``NoAbsentShard`` (it is alive), and the error names shard 0's workers, whose transfer
     started too, beside the frozen one. Once it runs again, a refit makes them all whole."""
-    trainers = [_start(SyntheticTrainer, r, 2, hidden=32, name=f"trainer rank {r}") for r in range(2)]
-    engines = [[_start(FreezingEngine, s, w, n, hidden=32, name=f"shard {s} worker {w}") for w in range(n)]
+    trainers = [start(SyntheticTrainer, r, 2, hidden=32, name=f"trainer rank {r}") for r in range(2)]
+    engines = [[start(FreezingEngine, s, w, n, hidden=32, name=f"shard {s} worker {w}") for w in range(n)]
                for s, n in enumerate((2, 1))]
     closing += [*trainers, *engines[0], *engines[1]]
     frozen = engines[1][0]

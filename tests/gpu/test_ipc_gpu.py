@@ -117,13 +117,8 @@ def test_dead_engine_is_named_and_its_mappings_closed(procs):
     ]}
     _membership(procs, case, list(range(WORLD)), next(_epochs))
     J.check_refits(procs.ok(J.refit_step, 0, replace_src=False))
-    res = procs.call(J.refit_step, 1, ranks=[0, 1, 2, 3], timeout_s=DEADLINE_S * 3,
-                     per_rank={r: {"timeout_s": DEADLINE_S, "replace_src": False} for r in range(4)}
-                     | {1: {"fault": "die"}})
-    assert res[1][0] == "dead"
-    src = res[0][1]
-    assert src["error"] == "RefitAborted" and "rank 1" in src["message"] and "exited" in src["message"], src
-    assert src["elapsed"] < DEADLINE_S
+    res = J.refit_losing(procs, 1, [0, 1, 2, 3], 1, DEADLINE_S, replace_src=False)
+    assert "exited" in J.aborted_naming(res, 0, 1, DEADLINE_S)["message"]
     for r in (2, 3):
         assert res[r][1]["error"] is None and res[r][1]["all_ok"], res[r]
     case["params"][0]["dsts"] = case["params"][0]["dsts"][1:]

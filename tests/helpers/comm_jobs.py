@@ -7,7 +7,6 @@ checked with the same plans on both.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from helpers.layouts import full_tensor, local_slice, rosters_for
 from refit import Replicate, Shard
 from refit.plan import build_rank_plan, merge_rosters
+from refit.testing.launch import abort_blocked_recv
 from refit.transport.base import SourceProduction
 from refit.transport.factory import make_executor
 
@@ -219,90 +219,17 @@ def split_and_abort(group) -> dict:
 
 # -- GPU-only jobs ----------------------------------------------------------------------------
 
-def warm_p2p(comm, group) -> None:
-    """Exchange a few bytes both ways so the NCCL p2p connection exists (NCCL connects lazily)."""
-    a = torch.ones(16, dtype=torch.uint8, device=group.device)
-    b = torch.empty(16, dtype=torch.uint8, device=group.device)
-    peer = 1 - comm.rank
-    comm.p2p_group([(b, peer)], [(a, peer)])
-    torch.cuda.synchronize()
-    group.barrier()
-
-
-def _ended(work, limit_s: float = 10.0) -> bool:
-    """Whether the aborted kernel really ended (its stream moves on)."""
-    end = time.monotonic() + limit_s
-    while not work.event.query() and time.monotonic() < end:
-        time.sleep(0.01)
-    return bool(work.event.query())
-
-
 def blocked_recv_released_by_abort(group, delay_s: float = 0.3) -> dict:
     """Rank 1 waits on a receive that rank 0 never sends; another thread aborts the group."""
-    from refit.comm.group import GroupAborted
-
-    out = {"rank": group.rank}
-    warm_p2p(group, group)
-    if group.rank == 1:
-        buf = torch.empty(1 << 20, dtype=torch.uint8, device=group.device)
-        fired = {}
-
-        def aborter():
-            time.sleep(delay_s)
-            fired["t"] = time.monotonic()
-            group.abort()
-            fired["abort_returned"] = time.monotonic()
-
-        th = threading.Thread(target=aborter, daemon=True)
-        th.start()
-        try:
-            work = group.irecv(buf, 0)  # rank 0 never sends: the recv kernel blocks on the GPU
-            group.wait(work)
-            out["error"] = None
-        except GroupAborted as e:
-            out["error"] = type(e).__name__
-        released = time.monotonic()
-        out["kernel_ended"] = _ended(work) if "work" in locals() else None
-        th.join(10)
-        out["release_s"] = released - fired["t"]
-        out["abort_call_s"] = fired.get("abort_returned", float("nan")) - fired["t"]
-    else:
-        # never send; keep the store alive until rank 1 has been released, then abort
-        time.sleep(delay_s + 2.0)
-        group.abort()
-    return out
+    return {"rank": group.rank, **abort_blocked_recv(group, delay_s=delay_s)}
 
 
 def split_child_abort(group, delay_s: float = 0.3) -> dict:
     """A rank blocked on a split child is released by aborting the parent."""
-    from refit.comm.group import GroupAborted
-
     child = group.split(0)
-    out = {"rank": group.rank, "child_world": child.world_size}
-    warm_p2p(child, group)
-    if group.rank == 1:
-        buf = torch.empty(1 << 16, dtype=torch.uint8, device=group.device)
-        fired = {}
-
-        def aborter():
-            time.sleep(delay_s)
-            fired["t"] = time.monotonic()
-            group.abort()
-
-        th = threading.Thread(target=aborter, daemon=True)
-        th.start()
-        try:
-            work = child.irecv(buf, 0)
-            child.wait(work)
-            out["error"] = None
-        except GroupAborted as e:
-            out["error"] = type(e).__name__
-        out["release_s"] = time.monotonic() - fired["t"]
-        th.join(10)
-        out["child_aborted"] = child.aborted
-    else:
-        time.sleep(delay_s + 2.0)
-        group.abort()
+    out = {"rank": group.rank, "child_world": child.world_size,
+           **abort_blocked_recv(group, child, delay_s=delay_s, nbytes=1 << 16)}
+    out["child_aborted"] = child.aborted
     return out
 
 

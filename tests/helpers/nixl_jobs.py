@@ -9,19 +9,17 @@ this module for the life of its process.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import time
-from multiprocessing.connection import wait as wait_conns
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
 
 from helpers.layouts import full_tensor, local_slice
 from refit.plan import RosterEntry, build_rank_plan, merge_rosters
-from refit.testing.launch import serve_requests
+from refit.testing.launch import LocalFleet, serve_requests
 
 _S: dict[str, Any] = {}
 
@@ -68,19 +66,9 @@ def collectives() -> int:
 
 # -- cases ------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
 def environment(**values):
     """``os.environ`` with ``values`` set inside the block (the processes it starts inherit them)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return mock.patch.dict(os.environ, values)
 
 
 def transfer_cases(world: int, *, chunks: bool = False):
@@ -302,6 +290,23 @@ def relay_membership(procs, case, members, epoch, **setup_kwargs):
     return infos
 
 
+def refit_losing(procs, step, ranks, dead, deadline_s, **kwargs):
+    """One refit on ``ranks`` in which rank ``dead`` dies; the others run it with ``deadline_s`` and
+    ``kwargs``. The results by rank, the death checked."""
+    res = procs.call(refit_step, step, ranks=ranks, timeout_s=deadline_s * 3,
+                     per_rank={r: {"timeout_s": deadline_s, **kwargs} for r in ranks} | {dead: {"fault": "die"}})
+    assert res[dead][0] == "dead"
+    return res
+
+
+def aborted_naming(res, rank, dead, deadline_s) -> dict:
+    """Rank ``rank``'s result of ``refit_losing``: aborted within ``deadline_s``, naming the dead rank."""
+    out = res[rank][1]
+    assert out["error"] == "RefitAborted" and f"rank {dead}" in out["message"], out
+    assert out["elapsed"] < deadline_s
+    return out
+
+
 def refit_ranks(procs, step, ranks, **kwargs):
     """One refit on ``ranks``, checked with ``check_refits``; the results by rank."""
     res = procs.ok(refit_step, step, ranks=ranks, **kwargs)
@@ -311,11 +316,11 @@ def refit_ranks(procs, step, ranks, **kwargs):
 
 # -- a process harness that outlives a dead rank -------------------------------------------------
 
-def _main(rank, n, port, conn):
+def _main(rank, n, port, secret, conn):
     torch.set_num_threads(1)
     from refit.comm.group import StatelessProcessGroup
 
-    group = StatelessProcessGroup("127.0.0.1", port, rank, n, timeout_s=60)
+    group = StatelessProcessGroup("127.0.0.1", port, rank, n, timeout_s=60, secret=secret)
     try:
         serve_requests(conn, lambda fn, args, kwargs: fn(group, *args, **kwargs))
     finally:
@@ -324,51 +329,35 @@ def _main(rank, n, port, conn):
         conn.close()
 
 
-class Procs:
-    """Processes, one per rank, each with a rank of one gloo ``StatelessProcessGroup`` (for
-    the one-time handshake), driven from the test; a rank that dies is reported, not fatal."""
+class Procs(LocalFleet):
+    """A ``LocalFleet`` of gloo ranks (the group serves the one-time handshake) whose calls report
+    a rank that dies instead of failing the fleet."""
 
     def __init__(self, n: int):
-        from refit.comm.group import free_port
-
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self._conns, self._procs = [], []
-        for r in range(n):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_main, args=(r, n, port, child), daemon=True)
-            p.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(p)
         self.dead: set[int] = set()
-        self.ok(_pid, timeout_s=120)
+        self._start(n, _main, (), 120.0)
 
     @property
     def size(self) -> int:
         return len(self._procs)
 
     def call(self, fn, *args, ranks=None, timeout_s: float = 60.0, per_rank=None, **kwargs) -> dict[int, Any]:
-        """Run ``fn(rank, *args, **kwargs)`` on ``ranks`` (default: the living); ``per_rank``
-        maps a rank to extra kwargs. Returns rank -> ("ok", value) / ("err", ...) / ("dead", code)."""
+        """Run ``fn(group, *args, **kwargs)`` on ``ranks`` (default: the living); ``per_rank``
+        maps a rank to extra kwargs. Returns rank -> ("ok", value) / ("err", (type, traceback)) / ("dead", code)."""
         ranks = [r for r in range(len(self._procs)) if r not in self.dead] if ranks is None else list(ranks)
         for r in ranks:
-            self._conns[r].send((fn, args, {**kwargs, **((per_rank or {}).get(r, {}))}))
+            self._conns[r].send((r, fn, args, {**kwargs, **((per_rank or {}).get(r, {}))}))
+        replies, late = self._replies(ranks, timeout_s)
+        if late:
+            raise TimeoutError(f"ranks {late} did not answer within {timeout_s}s")
         out: dict[int, Any] = {}
-        pending = {self._conns[r]: r for r in ranks}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            ready = wait_conns(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise TimeoutError(f"ranks {sorted(pending.values())} did not answer within {timeout_s}s")
-            for c in ready:
-                r = pending.pop(c)
-                try:
-                    out[r] = c.recv()
-                except EOFError:
-                    self._procs[r].join(5)
-                    self.dead.add(r)
-                    out[r] = ("dead", self._procs[r].exitcode)
+        for r, reply in replies.items():
+            if reply is None:
+                self._procs[r].join(5)
+                self.dead.add(r)
+                out[r] = ("dead", self._procs[r].exitcode)
+            else:
+                out[r] = ("ok" if reply[0] else "err", reply[1])
         return out
 
     def ok(self, fn, *args, **kwargs) -> dict[int, Any]:
@@ -377,28 +366,3 @@ class Procs:
         if bad:
             raise AssertionError("; ".join(f"rank {r}: {v[1][1] if v[0] == 'err' else v}" for r, v in bad.items()))
         return {r: v[1] for r, v in res.items()}
-
-    def close(self) -> None:
-        for r, c in enumerate(self._conns):
-            if r not in self.dead:
-                try:
-                    c.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
-        for p in self._procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in self._conns:
-            c.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _pid(group):
-    return os.getpid()

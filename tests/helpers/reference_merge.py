@@ -1,34 +1,15 @@
-"""The per-entry merge as it was before rosters were grouped: the reference that
-``merge_rosters`` (groups, read once per distinct group) is held to, index for index."""
+"""The per-entry merge: the independent reference that ``merge_rosters`` (groups, read once per
+distinct group, layouts cached by content) is held to, index for index. It builds each entry's
+layout afresh, so it shares none of the grouped merge's keys or caches."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-import numpy as np
-
 from refit.errors import PlanError
 from refit.layout import validate_layout
 from refit.plan import ParamIndex, ParamSpec, RosterEntry, TensorLayout
-
-
-def _layout_key(e: RosterEntry) -> tuple | None:
-    """A content key for an entry's (mesh, placements, dtype), or None when it has none."""
-    m = e.mesh
-    if isinstance(m, np.ndarray):
-        mk = ("np", m.shape, m.dtype.str, m.tobytes())
-    elif isinstance(m, (list, tuple)):
-        mk = ("seq", repr(m))
-    else:
-        return None
-    pl = e.placements
-    pk = tuple(pl) if isinstance(pl, (list, tuple)) else (pl,)
-    try:
-        hash(pk)
-    except TypeError:
-        return None
-    return (mk, pk, str(e.dtype))
 
 
 def reference_merge(rosters: Mapping[int, Iterable[RosterEntry]], world_size: int) -> ParamIndex:
@@ -41,20 +22,12 @@ def reference_merge(rosters: Mapping[int, Iterable[RosterEntry]], world_size: in
     """
     seen: dict[tuple[str, str], dict[TensorLayout, list[int]]] = defaultdict(dict)
     shapes: dict[str, dict[tuple[int, ...], list[int]]] = defaultdict(dict)
-    # A model's hundreds of thousands of entries repeat a few hundred layouts: build and
-    # check each distinct one once (the first entry that has it is the one an error names).
-    made: dict[tuple, TensorLayout] = {}
-    valid: set[tuple] = set()
+    valid: set[tuple] = set()  # (shape, layout) pairs already checked
     for rank in sorted(rosters):
         if not 0 <= rank < world_size:
             raise PlanError(f"roster from rank {rank}, outside the process group of world size {world_size}")
         for e in rosters[rank]:
-            key = _layout_key(e)
-            layout = made.get(key) if key is not None else None
-            if layout is None:
-                layout = TensorLayout.make(e.mesh, e.placements, e.dtype, param=e.name)
-                if key is not None:
-                    made[key] = layout
+            layout = TensorLayout.make(e.mesh, e.placements, e.dtype, param=e.name)
             if (e.global_shape, layout) not in valid:
                 validate_layout(
                     e.global_shape, layout.mesh_shape, layout.placements,

@@ -7,7 +7,6 @@ divide and that exceed the key/value heads, with plain and grouped q/k/v views.
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,7 +25,13 @@ from refit.models.hf import (  # noqa: E402
     narrow_entry,
     select_entry,
 )
-from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state  # noqa: E402
+from refit.testing.engine import (  # noqa: E402
+    EngineConfig,
+    EngineShard,
+    ThreadTPComm,
+    on_tp_threads,
+    random_canonical_state,
+)
 from refit.testing.hf import build_model, greedy, tiny_llama_config, tiny_qwen3_moe_config  # noqa: E402
 
 PROMPT = torch.tensor([[3, 17, 42, 5, 99, 1, 64, 23]])
@@ -38,23 +43,7 @@ def run_shard(econf, tp, state, *, qkv="plain", new_tokens=3, **engine_kw):
     engines = [EngineShard(econf, tp_size=tp, tp_rank=r, comm=comms[r], qkv=qkv, **engine_kw) for r in range(tp)]
     for e in engines:
         e.load_canonical(state)
-    out = [None] * tp
-    errors = []
-
-    def go(r):
-        try:
-            out[r] = (engines[r].forward(PROMPT), engines[r].generate(PROMPT, new_tokens))
-        except BaseException as e:
-            errors.append(e)
-            comms[r].abort()
-
-    threads = [threading.Thread(target=go, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    out = on_tp_threads(engines, lambda e: (e.forward(PROMPT), e.generate(PROMPT, new_tokens)))
     return engines, out
 
 

@@ -28,7 +28,7 @@ from refit.models.megatron import (
 from refit.models.parallel import EngineParallel, LayoutBuilder, TrainParallel
 from refit.models.specs import ModelSpec
 from refit.plan import RosterEntry, TensorLayout, merge_rosters
-from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, random_canonical_state
+from refit.testing.engine import EngineConfig, EngineShard, ThreadTPComm, on_tp_threads, random_canonical_state
 from refit.testing.megatron import MegatronTrainerEndpoint
 
 
@@ -319,7 +319,6 @@ def test_grouped_source_against_plain_destination_is_a_shape_mismatch():
 @pytest.mark.timeout(120)
 def test_synchronizer_moves_megatron_views_into_engine_views():
     """The endpoints as the control plane drives them: 4 Megatron ranks (tp2 > 1 kv head, ep2) -> 2 TP2 shards."""
-    import threading
 
     import refit
     from refit.runtime.handles import LocalWorker
@@ -350,14 +349,7 @@ def test_synchronizer_moves_megatron_views_into_engine_views():
             want.load_canonical(full)
             ref = want.forward(ids)
             for shard in shards:
-                out = [None, None]
-                threads = [threading.Thread(target=lambda o, s, r: o.__setitem__(r, s.forward(ids)),
-                                            args=(out, shard[r], r))
-                           for r in range(2)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                out = on_tp_threads(shard, lambda e: e.forward(ids))
                 for r in range(2):
                     assert torch.equal(out[r], out[0])
                     assert (out[r] - ref).abs().max().item() <= 1e-5

@@ -188,12 +188,8 @@ def test_dead_receiver_then_dead_source(procs):
     case = _engines_case([0], [[1], [2], [3]])
     _membership(P, case, [0, 1, 2, 3], e)
     _refit(P, 0, [0, 1, 2, 3])
-    res = P.call(J.refit_step, 1, ranks=[0, 1, 2, 3], timeout_s=DEADLINE_S * 3,
-                 per_rank={r: {"timeout_s": DEADLINE_S} for r in range(4)} | {2: {"fault": "die"}})
-    assert res[2][0] == "dead"
-    src = res[0][1]
-    assert src["error"] == "RefitAborted" and "rank 2" in src["message"] and "exited" in src["message"], src
-    assert src["elapsed"] < DEADLINE_S
+    res = J.refit_losing(P, 1, [0, 1, 2, 3], 2, DEADLINE_S)
+    assert "exited" in J.aborted_naming(res, 0, 2, DEADLINE_S)["message"]
     for r in (1, 3):
         assert res[r][1]["error"] is None and res[r][1]["all_ok"], res[r]
     _membership(P, case, [0, 1, 3], e + 1)
@@ -204,12 +200,8 @@ def test_dead_receiver_then_dead_source(procs):
     assert infos[3]["peers"] == [0, 1]
     _refit(P, 3, [0, 1, 3])
     assert P.ok(_resources, ranks=[3])[3]["mapped"] == 2
-    res = P.call(J.refit_step, 4, ranks=[0, 1, 3], timeout_s=DEADLINE_S * 3,
-                 per_rank={r: {"timeout_s": DEADLINE_S} for r in (0, 3)} | {1: {"fault": "die"}})
-    assert res[1][0] == "dead"
-    rcv = res[3][1]
-    assert rcv["error"] == "RefitAborted" and "rank 1" in rcv["message"], rcv
-    assert rcv["elapsed"] < DEADLINE_S
+    res = J.refit_losing(P, 4, [0, 1, 3], 1, DEADLINE_S)
+    J.aborted_naming(res, 3, 1, DEADLINE_S)
     assert P.ok(_resources, ranks=[3])[3]["mapped"] == 1  # the dead source's segment is unmapped
     assert res[0][1]["error"] is None
     _membership(P, _engines_case([0], [[3]], shape=(24, 16), twin=True), [0, 3], e + 3)

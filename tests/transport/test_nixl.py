@@ -145,12 +145,8 @@ def test_join_dead_receiver_dead_source(procs):
     res = J.refit_ranks(P, 2, [0, 1, 2, 3])
     assert res[3]["seq"] == 1 and res[3]["epoch"] == e + 1
     # engine 2 dies in the middle of the next refit: its source names it, within the deadline
-    res = P.call(J.refit_step, 3, ranks=[0, 1, 2, 3], timeout_s=DEADLINE_S * 3,
-                 per_rank={r: {"timeout_s": DEADLINE_S} for r in range(4)} | {2: {"fault": "die"}})
-    assert res[2][0] == "dead"
-    src = res[0][1]
-    assert src["error"] == "RefitAborted" and "rank 2" in src["message"], src
-    assert src["elapsed"] < DEADLINE_S
+    res = J.refit_losing(P, 3, [0, 1, 2, 3], 2, DEADLINE_S)
+    J.aborted_naming(res, 0, 2, DEADLINE_S)
     for r in (1, 3):  # the other engines got their weights all the same
         assert res[r][1]["error"] is None and res[r][1]["all_ok"], res[r]
     # the membership without it: the next refit completes and verifies
@@ -162,12 +158,8 @@ def test_join_dead_receiver_dead_source(procs):
     assert infos[3]["peers"] == [0, 1]
     J.refit_ranks(P, 5, [0, 1, 3])
     # the second replica dies mid-refit: its receiver names it, the other source completes
-    res = P.call(J.refit_step, 6, ranks=[0, 1, 3], timeout_s=DEADLINE_S * 3,
-                 per_rank={r: {"timeout_s": DEADLINE_S} for r in (0, 3)} | {1: {"fault": "die"}})
-    assert res[1][0] == "dead"
-    rcv = res[3][1]
-    assert rcv["error"] == "RefitAborted" and "rank 1" in rcv["message"], rcv
-    assert rcv["elapsed"] < DEADLINE_S
+    res = J.refit_losing(P, 6, [0, 1, 3], 1, DEADLINE_S)
+    J.aborted_naming(res, 3, 1, DEADLINE_S)
     assert res[0][1]["error"] is None
     # without the dead replica the survivor serves everything
     J.relay_membership(P, _case_engines([0], [[3]], shape=(24, 16), twin=True), [0, 3], e + 4)
