@@ -79,6 +79,11 @@ class RankPlan:
     def local_bytes(self) -> int:
         return sum(op.nbytes for op in self.local)
 
+    def params_by_bucket(self) -> tuple[dict[tuple[int, int], list[str]], dict[tuple[int, int], list[str]]]:
+        """(params of each bucket this rank sends, of each it receives), keyed as the checksums are."""
+        return ({(b.peer, b.index): sorted({op.name for op in b.ops}) for b in self.sends},
+                {(b.peer, b.index): sorted({op.name for op in b.ops}) for b in self.recvs})
+
     def send_ops(self) -> list[Op]:
         return [op for b in self.sends for op in b.ops]
 

@@ -12,7 +12,6 @@ rosters and its executor, and running it under the refit watchdog.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from refit.comm.base import wait_for_listener
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import RendezvousTampered
 from refit.errors import LateCall, LayoutError, PlanError, RefitError, TransportError
@@ -40,43 +40,24 @@ from refit.plan import (
     check_local_shapes,
     group_roster,
 )
-from refit.plan.quant import check_fp8_destinations, plan_quantization
-from refit.runtime.fp8_sources import QuantizedSources
-from refit.runtime.handles import listening_sockets
+from refit.plan.quant import check_fp8_destinations
+from refit.runtime.faults import OneShotCorruption
+from refit.runtime.fp8_sources import plan_sources
+from refit.runtime.handles import process_resources
 from refit.runtime.protocol import CommitReadiness, EndpointCall, Prepared, TransferReport, answer
 from refit.runtime.shards import ConnectSpec, LocalShard, as_local_shard, call_deadline
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.runtime.weights_state import WeightsState
 from refit.transport.base import Executor, TransferStats
-from refit.transport.broadcast import BROADCAST, BroadcastPlan
-from refit.transport.casts import find_overflows, narrowing_casts
-from refit.transport.factory import COMMUNICATOR, TransportChoice, make_executor
+from refit.transport.broadcast import BroadcastPlan
+from refit.transport.casts import find_overflows
+from refit.transport.factory import COMMUNICATOR, Channels, TransportChoice
 from refit.transport.ipc import node_id, sweep_stale_segments
 from refit.transport.one_sided import RosterEntries
 
-__all__ = ["RefitEndpointBase", "TrainerEndpoint", "first_line", "process_resources"]
-
-log = logging.getLogger(__name__)
+__all__ = ["RefitEndpointBase", "TrainerEndpoint", "first_line"]
 
 MODES = ("reshard", "broadcast")
-
-
-class _OneShotCorruption:
-    """Fault injection: flip one byte of the first matching bucket this rank sends."""
-
-    def __init__(self, peer: int | None, byte: int):
-        self.peer = peer
-        self.byte = byte
-        self.fired = False
-
-    def __call__(self, peer: int, index: int, buf: torch.Tensor) -> None:
-        if self.fired or buf.numel() == 0:
-            return
-        if self.peer is not None and peer not in (self.peer, BROADCAST):
-            return
-        i = self.byte % buf.numel()
-        buf[i] = buf[i] ^ 0xFF
-        self.fired = True
 
 
 # -- endpoint state ---------------------------------------------------------------------
@@ -93,13 +74,12 @@ class _State:
     executor: Executor | None = None  # made with the plan, reused every transfer of this build
     bound: dict[str, int] = field(default_factory=dict)  # id() of each local tensor the executor is bound to
     plans: PlanCache = field(default_factory=lambda: PlanCache(max_entries=4))
-    fault: _OneShotCorruption | None = None
+    fault: OneShotCorruption | None = None
     loaded_epoch: int = -1
     # the transport object of a one-sided transport (NixlTransport for "nixl", IpcTransport for
     # "ipc"): it outlives plans, and its roster entries are relayed by the controller
     transport: TransportChoice = COMMUNICATOR  # the build's, as the controller chose it
-    one_sided: Any = None
-    across: Any = None  # split by node with NIXL across nodes: the NixlTransport of the far pairs
+    channels: Channels = field(default_factory=Channels)  # one-sided channels: they outlive plans
     quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
     # params this trainer rank sends into a destination dtype of smaller range -> those dtypes
     narrowing: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -263,7 +243,7 @@ class RefitEndpointBase:
             st.spec, st.epoch, st.layouts, st.shards = spec, spec.epoch, {}, {}
             try:
                 if spec.rank != 0:
-                    _wait_for_listener(spec.address, spec.port, deadline)
+                    wait_for_listener(spec.address, spec.port, deadline)
                 # the actor's tensors are read once per build: the roster, the device and the
                 # executor's binding all come from this one call
                 shards = {n: as_local_shard(n, v) for n, v in self._refit_tensors().items()}
@@ -344,17 +324,10 @@ class RefitEndpointBase:
                 st.executor = None
             local = {n: shard.tensor for n, shard in st.shards.items()}
             bound = {n: id(t) for n, t in local.items()}
-            st.quantized = None
-            st.narrowing = {}
+            st.quantized, st.narrowing = None, {}
             if self._refit_role == "src":
-                # params an engine keeps in FP8 leave this rank quantized, with their scales
-                quantization = plan_quantization(index, rank, list(local), block=self.refit_fp8_block,
-                                                 label=self._refit_label())
-                scaled = {op.name for op in quantization.ops} if quantization is not None else set()
-                st.narrowing = narrowing_casts(index, rank, [n for n in local if n not in scaled])
-                if quantization is not None:
-                    st.quantized = QuantizedSources(quantization, local)
-                    local = st.quantized.executor_tensors(local)
+                st.quantized, st.narrowing, local = plan_sources(index, rank, local, block=self.refit_fp8_block,
+                                                                 label=self._refit_label())
             else:
                 check_fp8_destinations(index, rank, self.refit_fp8_block, label=self._refit_label())
             try:
@@ -362,37 +335,11 @@ class RefitEndpointBase:
             except LayoutError as e:
                 raise LayoutError(f"{self._refit_label()}: {e}") from None
             device = self._refit_tensor_device(st.shards)
-            if mode == "reshard":
-                plan = st.plans.get(index, rank, bucket_bytes=bucket_bytes)
-                send_params = {(b.peer, b.index): sorted({op.name for op in b.ops}) for b in plan.sends}
-                recv_params = {(b.peer, b.index): sorted({op.name for op in b.ops}) for b in plan.recvs}
-            else:
-                plan = BroadcastPlan.build(index, rank)
-                send_params, recv_params = plan.params_by_bucket()
-            wanted = transport.near_channel
-            if st.one_sided is not None and st.one_sided.transport != wanted:
-                st.one_sided.close()
-                st.one_sided = None
-            if wanted is not None and st.one_sided is None:
-                # no deadline of its own: the refit watchdog hands it the deadline of each transfer
-                if wanted == "nixl":
-                    from refit.transport.nixl import NixlTransport
-
-                    st.one_sided = NixlTransport(rank, device=device, timeout_s=None)
-                else:
-                    from refit.transport.ipc import IpcTransport
-
-                    st.one_sided = IpcTransport(rank, device=device, timeout_s=None)
-            if st.across is not None and transport.far_channel is None:
-                st.across.close()
-                st.across = None
-            if transport.far_channel is not None and st.across is None:
-                from refit.transport.nixl import NixlTransport
-
-                st.across = NixlTransport(rank, device=device, timeout_s=None)
-            executor = make_executor(plan, st.group, transport=transport.executor_transport, device=device,
-                                     nixl=st.one_sided if wanted == "nixl" else st.across,
-                                     ipc=st.one_sided if wanted == "ipc" else None, near=transport.near_ranks(rank))
+            plan = (st.plans.get(index, rank, bucket_bytes=bucket_bytes) if mode == "reshard"
+                    else BroadcastPlan.build(index, rank))
+            send_params, recv_params = plan.params_by_bucket()
+            st.channels.update(transport, rank, device)
+            executor = st.channels.executor(transport, plan, st.group, rank, device)
             executor.prepare(*self._refit_sides(local))
             st.executor, st.bound, st.transport = executor, bound, transport
             return Prepared(rank, plan.bytes_sent, plan.bytes_received, time.perf_counter() - t0, send_params,
@@ -408,24 +355,25 @@ class RefitEndpointBase:
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_peer_entry")
-            if st.one_sided is None or st.executor is None:
+            near, far = st.channels.near, st.channels.far
+            if near is None or st.executor is None:
                 raise RefitError(f"refit_peer_entry: {self._refit_label()} has no one-sided executor; "
                                  f"refit_prepare(..., transport='nixl' or 'ipc') first")
-            if st.across is not None:
-                return RosterEntries(st.one_sided.rank, st.one_sided.local_roster_entry(),
-                                     st.across.local_roster_entry())
-            return st.one_sided.local_roster_entry()
+            if far is not None:
+                return RosterEntries(near.rank, near.local_roster_entry(), far.local_roster_entry())
+            return near.local_roster_entry()
 
     def refit_peer_membership(self, roster: Mapping[int, Any], epoch: int) -> None:
         """One-sided transports: install the roster the controller relays (new peers point to point)."""
         st = self._refit_state()
         with st.lock:
             self._refit_check_epoch(epoch, "refit_peer_membership")
-            if st.across is not None:
-                st.one_sided.update_membership({r: e.ipc for r, e in roster.items()}, epoch)
-                st.across.update_membership({r: e.nixl for r, e in roster.items()}, epoch)
+            near, far = st.channels.near, st.channels.far
+            if far is not None:
+                near.update_membership({r: e.ipc for r, e in roster.items()}, epoch)
+                far.update_membership({r: e.nixl for r, e in roster.items()}, epoch)
                 return
-            st.one_sided.update_membership(roster, epoch)
+            near.update_membership(roster, epoch)
 
     def refit_transfer(self, epoch: int, *, timeout_s: float | None, verify: bool = True,
                        sent_at: float | None = None) -> TransferReport:
@@ -481,9 +429,9 @@ class RefitEndpointBase:
         if st.executor is None:
             raise RefitError(f"{self._refit_label()}: no plan for epoch {st.epoch}; refit_prepare first")
         # a one-sided path runs no collective: its transport is what the watchdog aborts
-        abortable = [st.one_sided] if st.transport.channel is not None else [st.group]
+        abortable = [st.channels.near] if st.transport.channel is not None else [st.group]
         if st.transport.split:  # this node's pairs over IPC, the others over the communicator
-            abortable = [st.one_sided, st.group] + ([st.across] if st.across is not None else [])
+            abortable = [st.group, *st.channels.abortable()]
         if st.quantized is not None and st.transport.channel is not None:
             abortable.append(st.group)  # the block amaxes are merged over the communicator
         with RefitAbortWatchdog(abortable, timeout_s):
@@ -564,10 +512,7 @@ class RefitEndpointBase:
         with st.lock:
             self._refit_drop_group()
             st.spec, st.epoch = None, -1
-            for t in (st.one_sided, st.across):
-                if t is not None:
-                    t.close()
-            st.one_sided = st.across = None
+            st.channels.close()
 
     def refit_status(self) -> dict:
         """What this rank's refit state is: for logs, dashboards and tests.
@@ -577,12 +522,12 @@ class RefitEndpointBase:
         (``nixl_agent`` / ``ipc_name``, None without one) and its rank in the plans.
         """
         st = self._refit_state()
+        near = st.channels.near
         return {"epoch": st.epoch, "backend": st.group.backend if st.group is not None else None,
                 "transport": st.executor.transport if st.executor is not None else None,
-                "nixl_agent": getattr(st.one_sided, "agent_name", None),
-                "ipc_name": getattr(st.one_sided, "name", None),
-                "one_sided_rank": st.one_sided.rank if st.one_sided is not None else None,
-                "nixl_rank": st.one_sided.rank if getattr(st.one_sided, "agent_name", None) else None}
+                "nixl_agent": getattr(near, "agent_name", None), "ipc_name": getattr(near, "name", None),
+                "one_sided_rank": near.rank if near is not None else None,
+                "nixl_rank": near.rank if getattr(near, "agent_name", None) else None}
 
     def refit_connected(self) -> bool:
         """Whether this rank holds a live refit communicator (built, and not aborted since)."""
@@ -610,13 +555,12 @@ class RefitEndpointBase:
         st = self._refit_state()
         if st.group is not None:
             st.group.abort()
-        for t in (st.one_sided, st.across):
-            if t is not None:
-                t.abort()
+        for channel in st.channels.abortable():
+            channel.abort()
 
     def refit_inject_fault(self, *, peer: int | None = None, byte: int = 0) -> None:
         """Testing: corrupt one byte of the next bucket this rank sends (to ``peer``, or to anyone)."""
-        self._refit_state().fault = _OneShotCorruption(peer, byte)
+        self._refit_state().fault = OneShotCorruption(peer, byte)
 
     def refit_resources(self) -> dict:
         return process_resources()
@@ -649,37 +593,6 @@ class TrainerEndpoint(RefitEndpointBase):
         return dict(self.refit_sources())
 
 
-def _wait_for_listener(address: str, port: int, deadline: float) -> None:
-    """Wait until rank 0's store accepts connections, or the deadline passes.
-
-    A store client that arrives before the store is up backs off for about half a
-    second before it retries, and every rebuild pays that (measured: 0.6s against 0.05s
-    for a 4-rank rendezvous). A plain TCP probe every 10 ms costs nothing and lets the
-    client connect as soon as the store listens.
-    """
-    while True:
-        try:
-            socket.create_connection((address, port), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() >= deadline:
-                return  # let the store client report the failure in its own words
-            time.sleep(0.01)
-
-
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def process_resources() -> dict:
-    """Open fds, threads and listening TCP ports of this process (Linux ``/proc``), for leak checks."""
-    out: dict[str, Any] = {"pid": os.getpid()}
-    try:
-        fds = os.listdir("/proc/self/fd")
-        out["fds"] = len(fds)
-        out["threads"] = len(os.listdir("/proc/self/task"))
-        out["listening_ports"] = sorted(port for _, port in listening_sockets())
-    except OSError:
-        out.update(fds=-1, threads=threading.active_count(), listening_ports=[])
-    return out

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -40,11 +41,12 @@ from refit.models.fp8 import (
     scales_from_amax,
     scales_into,
 )
-from refit.plan.quant import QUANTIZE_AT_PACK, QuantizationPlan, QuantizeOp, scale_name
+from refit.plan.quant import QUANTIZE_AT_PACK, QuantizationPlan, QuantizeOp, plan_quantization, scale_name
 from refit.transport.base import SourceProduction
+from refit.transport.casts import narrowing_casts
 from refit.transport.quantized import merge_max
 
-__all__ = ["Quantization", "QuantizedSources"]
+__all__ = ["Quantization", "QuantizedSources", "plan_sources"]
 
 
 class QuantizedSources:
@@ -196,3 +198,20 @@ class Quantization(SourceProduction):
             made = True
         self.beside_s += time.perf_counter() - t0
         return made
+
+
+def plan_sources(index: Any, rank: int, local: Mapping[str, torch.Tensor], *, block: tuple[int, int],
+                 label: str) -> tuple[QuantizedSources | None, dict[str, tuple[str, ...]], dict[str, torch.Tensor]]:
+    """A trainer rank's sources for its plan: ``(quantized, narrowing, executor tensors)``.
+
+    The params an engine keeps in FP8 leave this rank quantized, with their scales
+    (``quantized``, whose FP8 buffers the executor sends); the others going to a dtype of
+    smaller range are held to it before every transfer (``narrowing``: name -> those dtypes).
+    """
+    quantization = plan_quantization(index, rank, list(local), block=block, label=label)
+    scaled = {op.name for op in quantization.ops} if quantization is not None else set()
+    narrowing = narrowing_casts(index, rank, [n for n in local if n not in scaled])
+    if quantization is None:
+        return None, narrowing, dict(local)
+    quantized = QuantizedSources(quantization, local)
+    return quantized, narrowing, quantized.executor_tensors(local)

@@ -26,7 +26,7 @@ from refit.errors import RefitError
 from refit.runtime.protocol import EndpointCall, answer
 
 __all__ = ["BatchedWorkers", "FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle",
-           "WorkerTimeout", "listening_sockets", "pid_alive", "send_requests", "sendable_error",
+           "WorkerTimeout", "listening_sockets", "pid_alive", "process_resources", "send_requests", "sendable_error",
            "serve_pipe"]
 
 
@@ -311,6 +311,19 @@ def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
                     out.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
         except OSError:
             continue
+    return out
+
+
+def process_resources() -> dict:
+    """Open fds, threads and listening TCP ports of this process (Linux ``/proc``), for leak checks."""
+    out: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        fds = os.listdir("/proc/self/fd")
+        out["fds"] = len(fds)
+        out["threads"] = len(os.listdir("/proc/self/task"))
+        out["listening_ports"] = sorted(port for _, port in listening_sockets())
+    except OSError:
+        out.update(fds=-1, threads=threading.active_count(), listening_ports=[])
     return out
 
 

@@ -167,6 +167,59 @@ def choose_transport(request: TransportRequest, devices: Mapping[int, Mapping[st
     return TransportChoice("nccl", **choice)
 
 
+class Channels:
+    """A rank's one-sided channels, kept across builds: ``near`` carries every pair (``"nixl"``,
+    ``"ipc"``) or, split by node, the pairs inside the node (IPC); ``far`` the pairs between
+    nodes over NIXL. Registering memory and loading peers is paid once, so a build keeps a
+    channel of the kind it needs and opens or closes only what changed. They have no
+    deadline of their own: the refit watchdog hands them the deadline of each transfer.
+    """
+
+    def __init__(self) -> None:
+        self.near: Any = None
+        self.far: Any = None
+
+    def update(self, choice: TransportChoice, rank: int, device: torch.device) -> None:
+        """Keep, open or close the channels ``choice`` needs on this rank."""
+        want = choice.near_channel
+        if self.near is not None and self.near.transport != want:
+            self.near.close()
+            self.near = None
+        if want is not None and self.near is None:
+            self.near = _open_channel(want, rank, device)
+        if self.far is not None and choice.far_channel is None:
+            self.far.close()
+            self.far = None
+        if choice.far_channel is not None and self.far is None:
+            self.far = _open_channel(choice.far_channel, rank, device)
+
+    def executor(self, choice: TransportChoice, plan: RankPlan | BroadcastPlan, comm: Any, rank: int,
+                 device: torch.device) -> Executor:
+        """The executor of ``plan`` over these channels (and ``comm``), as ``choice`` says."""
+        near = choice.near_channel
+        return make_executor(plan, comm, transport=choice.executor_transport, device=device,
+                             nixl=self.near if near == "nixl" else self.far, ipc=self.near if near == "ipc" else None,
+                             near=choice.near_ranks(rank))
+
+    def abortable(self) -> list[Any]:
+        return [c for c in (self.near, self.far) if c is not None]
+
+    def close(self) -> None:
+        for channel in self.abortable():
+            channel.close()
+        self.near = self.far = None
+
+
+def _open_channel(kind: str, rank: int, device: torch.device) -> Any:
+    if kind == "nixl":
+        from refit.transport.nixl import NixlTransport
+
+        return NixlTransport(rank, device=device, timeout_s=None)
+    from refit.transport.ipc import IpcTransport
+
+    return IpcTransport(rank, device=device, timeout_s=None)
+
+
 def node_of(device: Mapping[str, Any]) -> str:
     """The node a rank's ``refit_device()`` report places it on (its host where no node is given)."""
     return device.get("node") or device["host"]
@@ -250,5 +303,5 @@ def _options_for(transport: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-__all__ = ["COMMUNICATOR", "ONE_SIDED", "TRANSPORTS", "TransportChoice", "TransportRequest", "choose_transport",
-           "make_executor", "node_of"]
+__all__ = ["COMMUNICATOR", "ONE_SIDED", "TRANSPORTS", "Channels", "TransportChoice", "TransportRequest",
+           "choose_transport", "make_executor", "node_of"]

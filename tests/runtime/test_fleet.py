@@ -5,7 +5,7 @@ import torch
 
 import refit
 from refit.errors import LayoutError
-from refit.runtime.endpoint import process_resources
+from refit.runtime.handles import process_resources
 from refit.runtime.shards import LocalShard, as_local_shard
 from refit.testing.synthetic import SyntheticEngine, SyntheticTrainer, synthetic_param, synthetic_shapes
 
