@@ -212,23 +212,10 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
             reference = outs[0]
             killer.armed = step == args.kill_step
             result = sync.sync_weights()
-            step_events = []
-            if result.recovered:
-                step_events.append(f"the demo SIGKILLed shard {args.kill_shard} worker 0 (pid {killer.pid}) as its "
-                                   "transfer started, to show recovery: the sync left the shard out and verified "
-                                   f"over shards {result.shards} in {result.recovery_s:.2f}s")
-            if result.rebuilt and not result.recovered and step > 1:
-                step_events.append(f"rebuilt: shards {result.shards} re-admitted")
             progress(f"step {step}: checking engine logits")
-            max_diff, tokens_ok = _check_engines(fleet, result.shards, reference, 60)
-            rows.append({
-                "step": step, "loss": float(reference["loss"]), "refit_s": result.seconds,
-                "transfer_s": result.transfer_s, "bytes": result.bytes, "gbps": result.gbps,
-                "verified": result.verified, "shards": result.shards, "absent": result.absent_shards,
-                "max_abs_logit_diff": max_diff, "tokens_match": tokens_ok,
-                "recovery_s": result.recovery_s, "events": step_events,
-            })
-            events += step_events
+            rows.append(_step_row(args, step, result, reference, killer.pid,
+                                  _check_engines(fleet, result.shards, reference, 60)))
+            events += rows[-1]["events"]
             if step == args.kill_step:
                 progress(f"restarting shard {args.kill_shard}")
                 handles = fleet.restart_shard(args.kill_shard)
@@ -252,6 +239,22 @@ def run_demo(args, progress=lambda text: None, gpus: int = 0) -> dict:
         "steps": rows, "all_verified_and_logits_match": ok,
         "killed_shard_readmitted": readmitted or args.kill_step in (0, args.steps),
     }
+
+
+def _step_row(args, step: int, result, reference: dict, killed_pid: int | None, check: tuple[float, bool]) -> dict:
+    """One step of the demo's table: the sync's figures, the engines' check, and what happened."""
+    events = []
+    if result.recovered:
+        events.append(f"the demo SIGKILLed shard {args.kill_shard} worker 0 (pid {killed_pid}) as its transfer "
+                      "started, to show recovery: the sync left the shard out and verified over shards "
+                      f"{result.shards} in {result.recovery_s:.2f}s")
+    if result.rebuilt and not result.recovered and step > 1:
+        events.append(f"rebuilt: shards {result.shards} re-admitted")
+    max_diff, tokens_ok = check
+    return {"step": step, "loss": float(reference["loss"]), "refit_s": result.seconds,
+            "transfer_s": result.transfer_s, "bytes": result.bytes, "gbps": result.gbps, "verified": result.verified,
+            "shards": result.shards, "absent": result.absent_shards, "max_abs_logit_diff": max_diff,
+            "tokens_match": tokens_ok, "recovery_s": result.recovery_s, "events": events}
 
 
 def one_sided_transport(args) -> str | None:

@@ -348,64 +348,8 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
         groups[(spec.shape, spec.src, spec.dsts)] += 1
     total_owed = 0
     for (shape, src, dsts), count in groups.items():
-        src_nodes = {node(r) for r in src.mesh_ranks}
-        items = [itemsize(wire_dtype(src.dtype, lay.dtype)) for lay in dsts]
-        shards = {}  # source shard key -> (its holders, their nodes, its region)
-        for r0 in src.mesh_ranks:
-            key = src.shard_key(r0)
-            if key not in shards:
-                reps = src.replicas(key)
-                shards[key] = (reps, {node(r) for r in reps}, region(shape, src, reps[0]))
-        # what every destination rank must receive, and over which of its links
-        for g, lay in enumerate(dsts):
-            for r in lay.mesh_ranks:
-                reg = region(shape, lay, r)
-                if node(r) not in src_nodes:  # no holder on its node: all over its NIC
-                    received = [(NIC, region_numel(reg))]
-                else:
-                    received = [(link_between(rep_nodes, node(r)), region_overlap_numel(reg, sreg))
-                                for reps, rep_nodes, sreg in shards.values() if r not in reps]
-                for link, n in received:
-                    if n:
-                        need[r][link] += n * items[g] * count
-        if relay:
-            # a node's NICs bring in, once, each element its ranks need (one layout's distinct shards)
-            per_node: dict[int, list[int]] = defaultdict(lambda layouts=dsts: [0] * len(layouts))
-            for g, lay in enumerate(dsts):
-                seen = set()
-                for r in lay.mesh_ranks:
-                    n_ = node(r)
-                    if n_ in src_nodes or src.coords(r) is not None:
-                        continue
-                    key = (n_, lay.shard_key(r))
-                    if key not in seen:
-                        seen.add(key)
-                        per_node[n_][g] += region_numel(region(shape, lay, r)) * items[g]
-            for n_, per_g in per_node.items():
-                node_need[n_] += max(per_g) * count
-        # what the holders of every source shard owe
-        dst_ranks = [(g, r) for g, lay in enumerate(dsts) for r in lay.mesh_ranks]
-        for reps, rep_nodes, sreg in shards.values():
-            by_layout = [[0, 0, 0] for _ in dsts]  # per layout: bytes by link needed by non-holders
-            if any(node(r) in rep_nodes for _, r in dst_ranks):
-                for g, r in dst_ranks:
-                    if r not in reps:
-                        n = region_overlap_numel(sreg, region(shape, dsts[g], r)) * items[g]
-                        by_layout[g][link_between(rep_nodes, node(r))] += n
-            else:  # disaggregated: every layout needs the whole shard, replication times, over NICs
-                for g, lay in enumerate(dsts):
-                    by_layout[g][NIC] = region_numel(sreg) * lay.replication * items[g]
-            if relay:  # one copy of each element: a layout's bytes over its replication
-                pick = max(range(len(dsts)), key=lambda g: sum(by_layout[g]) / dsts[g].replication, default=None)
-                if pick is None:
-                    continue
-                by_link = [-(-b // dsts[pick].replication) for b in by_layout[pick]]
-            else:
-                by_link = [sum(b[link] for b in by_layout) for link in (NIC, NVL, EITHER)]
-            slot = owed[frozenset(reps)]
-            for link, b in enumerate(by_link):
-                slot[link] += b * count
-            total_owed += sum(by_link) * count
+        total_owed += _add_group(shape, src, dsts, count, node=node, region=region, relay=relay, need=need,
+                                 owed=owed, node_need=node_need)
     parts: dict[str, float] = {}
     binding_of: dict[str, str] = {}
 
@@ -438,6 +382,73 @@ def lower_bound(index: ParamIndex, topo: Topology, *, relay: bool = False) -> Bo
     per_rank_in = {r: sum(by_link) for r, by_link in need.items()}
     return Bound(max(parts.values(), default=0.0), relay, f"{binding}: {binding_of.get(binding, '')}", parts,
                  per_rank_in, total_owed, max_share)
+
+
+def _add_group(shape, src, dsts, count: int, *, node, region, relay: bool, need: dict, owed: dict,
+               node_need: dict) -> int:
+    """Add ``count`` params of one shape and layouts to what every destination rank needs (``need``),
+    what every replica set of sources owes (``owed``) and, relayed, what every node's NICs bring
+    in (``node_need``); the bytes its sources owe."""
+    total_owed = 0
+    src_nodes = {node(r) for r in src.mesh_ranks}
+    items = [itemsize(wire_dtype(src.dtype, lay.dtype)) for lay in dsts]
+    shards = {}  # source shard key -> (its holders, their nodes, its region)
+    for r0 in src.mesh_ranks:
+        key = src.shard_key(r0)
+        if key not in shards:
+            reps = src.replicas(key)
+            shards[key] = (reps, {node(r) for r in reps}, region(shape, src, reps[0]))
+    # what every destination rank must receive, and over which of its links
+    for g, lay in enumerate(dsts):
+        for r in lay.mesh_ranks:
+            reg = region(shape, lay, r)
+            if node(r) not in src_nodes:  # no holder on its node: all over its NIC
+                received = [(NIC, region_numel(reg))]
+            else:
+                received = [(link_between(rep_nodes, node(r)), region_overlap_numel(reg, sreg))
+                            for reps, rep_nodes, sreg in shards.values() if r not in reps]
+            for link, n in received:
+                if n:
+                    need[r][link] += n * items[g] * count
+    if relay:
+        # a node's NICs bring in, once, each element its ranks need (one layout's distinct shards)
+        per_node: dict[int, list[int]] = defaultdict(lambda layouts=dsts: [0] * len(layouts))
+        for g, lay in enumerate(dsts):
+            seen = set()
+            for r in lay.mesh_ranks:
+                n_ = node(r)
+                if n_ in src_nodes or src.coords(r) is not None:
+                    continue
+                key = (n_, lay.shard_key(r))
+                if key not in seen:
+                    seen.add(key)
+                    per_node[n_][g] += region_numel(region(shape, lay, r)) * items[g]
+        for n_, per_g in per_node.items():
+            node_need[n_] += max(per_g) * count
+    # what the holders of every source shard owe
+    dst_ranks = [(g, r) for g, lay in enumerate(dsts) for r in lay.mesh_ranks]
+    for reps, rep_nodes, sreg in shards.values():
+        by_layout = [[0, 0, 0] for _ in dsts]  # per layout: bytes by link needed by non-holders
+        if any(node(r) in rep_nodes for _, r in dst_ranks):
+            for g, r in dst_ranks:
+                if r not in reps:
+                    n = region_overlap_numel(sreg, region(shape, dsts[g], r)) * items[g]
+                    by_layout[g][link_between(rep_nodes, node(r))] += n
+        else:  # disaggregated: every layout needs the whole shard, replication times, over NICs
+            for g, lay in enumerate(dsts):
+                by_layout[g][NIC] = region_numel(sreg) * lay.replication * items[g]
+        if relay:  # one copy of each element: a layout's bytes over its replication
+            pick = max(range(len(dsts)), key=lambda g: sum(by_layout[g]) / dsts[g].replication, default=None)
+            if pick is None:
+                continue
+            by_link = [-(-b // dsts[pick].replication) for b in by_layout[pick]]
+        else:
+            by_link = [sum(b[link] for b in by_layout) for link in (NIC, NVL, EITHER)]
+        slot = owed[frozenset(reps)]
+        for link, b in enumerate(by_link):
+            slot[link] += b * count
+        total_owed += sum(by_link) * count
+    return total_owed
 
 
 def balance(values: Sequence[int]) -> dict:

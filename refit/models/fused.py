@@ -150,101 +150,122 @@ class FusedLayout:
         ``{canonical_name: (DTensorRef view, mesh, placements)}``, meshes in the shard's own
         workers ``0 .. tp-1`` (``offset_entries`` moves them).
         """
-        fused: dict[str, torch.Tensor] = {}
-        fp8 = self.fp8
-        if fp8 is not None:
-            dtype = getattr(torch, fp8.dtype_name)
+        builder = _FusedBuilder(self, new, fp8_new, scale_new)
+        h = self.spec.hidden_size
+        builder.own("model.embed_tokens.weight", (self.vocab, h), (self.spec.vocab_size, h), builder.col)
+        for layer in range(self.spec.num_layers):
+            builder.layer(layer)
+        builder.own("model.norm.weight", (h,), (h,), builder.rep)
+        if not self.spec.tie_word_embeddings:
+            builder.own("lm_head.weight", (self.vocab, h), (self.spec.vocab_size, h), builder.col)
+        return builder.fused, builder.out
+
+
+class _FusedBuilder:
+    """Makes one rank's fused tensors (``fused``) and the canonical views into them (``out``), layer by layer."""
+
+    col, row, rep = (Shard(0),), (Shard(1),), (Replicate(),)
+
+    def __init__(self, layout: FusedLayout, new: Callable[[tuple[int, ...]], torch.Tensor],
+                 fp8_new: Callable[[tuple[int, ...]], torch.Tensor] | None,
+                 scale_new: Callable[[tuple[int, ...]], torch.Tensor] | None):
+        self.layout, self.spec, self.new, self.fp8 = layout, layout.spec, new, layout.fp8
+        if self.fp8 is not None:
+            dtype = getattr(torch, self.fp8.dtype_name)
             fp8_new = fp8_new or (lambda shape: new(shape).to(dtype))
             scale_new = scale_new or (lambda shape: new(shape).to(torch.float32))
-        scales: dict[str, torch.Tensor] = {}
+        self.fp8_new, self.scale_new = fp8_new, scale_new
+        self.mesh = np.arange(layout.tp_size)
+        self.fused: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+        self.out: dict[str, Entry] = {}
 
-        def hold(name: str, *shape: int) -> torch.Tensor:
-            fused[name] = new(shape)
-            return fused[name]
+    def hold(self, name: str, *shape: int) -> torch.Tensor:
+        self.fused[name] = self.new(shape)
+        return self.fused[name]
 
-        def hold_linear(name: str, *shape: int) -> torch.Tensor:
-            """A linear layer's fused weight: in FP8 with its scale grid beside it, when the engine is FP8."""
-            if fp8 is None:
-                return hold(name, *shape)
-            fused[name] = fp8_new(shape)
-            fused[name + "_scale_inv"] = scales[name] = scale_new(fp8.scale_shape(shape))
-            return fused[name]
+    def hold_linear(self, name: str, *shape: int) -> torch.Tensor:
+        """A linear layer's fused weight: in FP8 with its scale grid beside it, when the engine is FP8."""
+        if self.fp8 is None:
+            return self.hold(name, *shape)
+        self.fused[name] = self.fp8_new(shape)
+        self.fused[name + "_scale_inv"] = self.scales[name] = self.scale_new(self.fp8.scale_shape(shape))
+        return self.fused[name]
 
-        def scale_rows(name: str, lo: int, hi: int, *lead: int) -> torch.Tensor:
-            """The scale rows of the fused weight's rows ``lo:hi`` (block-aligned, checked at construction)."""
-            return scales[name][(*lead, slice(lo // fp8.block[0], -(-hi // fp8.block[0])))]
+    def scale_rows(self, name: str, lo: int, hi: int, *lead: int) -> torch.Tensor | None:
+        """The scale rows of the fused weight's rows ``lo:hi`` (block-aligned, checked at construction)."""
+        if self.fp8 is None:
+            return None
+        return self.scales[name][(*lead, slice(lo // self.fp8.block[0], -(-hi // self.fp8.block[0])))]
 
-        s, tp = self.spec, self.tp_size
-        h, hd = s.hidden_size, s.head_dim
-        mesh = np.arange(tp)
-        col, row, rep = (Shard(0),), (Shard(1),), (Replicate(),)
-        out: dict[str, Entry] = {}
+    def put(self, name: str, local: torch.Tensor, shape, m: np.ndarray, placements: tuple[Placement, ...],
+            scale: torch.Tensor | None = None) -> None:
+        self.out[name] = (DTensorRef(local, shape), m, placements)
+        if self.fp8 is not None and scale is not None:
+            self.out[name + "_scale_inv"] = (DTensorRef(scale, self.fp8.scale_shape(shape)), m, placements)
 
-        def put(name: str, local: torch.Tensor, shape, m: np.ndarray, placements: tuple[Placement, ...],
-                scale: torch.Tensor | None = None) -> None:
-            out[name] = (DTensorRef(local, shape), m, placements)
-            if fp8 is not None and scale is not None:
-                out[name + "_scale_inv"] = (DTensorRef(scale, fp8.scale_shape(shape)), m, placements)
+    def own(self, name: str, local_shape: tuple[int, ...], shape: tuple[int, ...], placements) -> None:
+        """An unfused param: the canonical name is its own."""
+        self.put(name, self.hold(name, *local_shape), shape, self.mesh, placements)
 
-        def own(name: str, local_shape: tuple[int, ...], shape: tuple[int, ...], placements) -> None:
-            put(name, hold(name, *local_shape), shape, mesh, placements)  # unfused: the canonical name is its own
+    def own_linear(self, name: str, local_shape: tuple[int, ...], shape: tuple[int, ...], placements) -> None:
+        self.put(name, self.hold_linear(name, *local_shape), shape, self.mesh, placements, self.scales.get(name))
 
-        def own_linear(name: str, local_shape: tuple[int, ...], shape: tuple[int, ...], placements) -> None:
-            local = hold_linear(name, *local_shape)
-            put(name, local, shape, mesh, placements, scales.get(name))
+    def layer(self, layer: int) -> None:
+        h, p = self.spec.hidden_size, f"model.layers.{layer}"
+        self.own(f"{p}.input_layernorm.weight", (h,), (h,), self.rep)
+        self.attention(f"{p}.self_attn")
+        self.own(f"{p}.post_attention_layernorm.weight", (h,), (h,), self.rep)
+        if self.spec.is_moe_layer(layer):
+            self.experts(p)
+        else:
+            self.mlp(p)
 
-        own("model.embed_tokens.weight", (self.vocab, h), (s.vocab_size, h), col)
-        q_rows, kv_rows = self.heads * hd, self.kv_heads * hd
-        for layer in range(s.num_layers):
-            p = f"model.layers.{layer}"
-            a = f"{p}.self_attn"
-            own(f"{p}.input_layernorm.weight", (h,), (h,), rep)
-            qkv = hold_linear(f"{a}.qkv_proj.weight", q_rows + 2 * kv_rows, h)
-            spans = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
-            for which, (lo, hi) in spans.items():
-                local = qkv[lo:hi]
-                heads = s.num_heads if which == "q" else s.num_kv_heads
-                m, pl = qkv_layout(which, mesh, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-                                   grouped=self.qkv == "grouped")
-                if self.qkv == "grouped":
-                    local = grouped_local(local, num_kv_heads=s.num_kv_heads, tp=tp)
-                    shape = grouped_shape(which, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=hd,
-                                          trailing=(h,))
-                else:
-                    shape = (heads * hd, h)
-                scale = scale_rows(f"{a}.qkv_proj.weight", lo, hi) if fp8 is not None else None
-                put(f"{a}.{which}_proj.weight", local, shape, m, pl, scale)
-            own_linear(f"{a}.o_proj.weight", (h, q_rows), (h, s.num_heads * hd), row)
-            if s.qk_norm:
-                own(f"{a}.q_norm.weight", (hd,), (hd,), rep)
-                own(f"{a}.k_norm.weight", (hd,), (hd,), rep)
-            own(f"{p}.post_attention_layernorm.weight", (h,), (h,), rep)
-            if s.is_moe_layer(layer):
-                own(f"{p}.mlp.gate.weight", (s.num_experts, h), (s.num_experts, h), rep)
-                ie, il, n = s.moe_intermediate_size, self.expert_inter, len(self.experts)
-                w13n, w2n = f"{p}.mlp.experts.w13_weight", f"{p}.mlp.experts.w2_weight"
-                w13 = hold_linear(w13n, n, 2 * il, h)
-                w2 = hold_linear(w2n, n, h, il)
-                # under EP an expert lives whole on its owner: a one-rank mesh, nothing to cut
-                m, c, r = (np.array([self.tp_rank]), rep, rep) if self.expert_parallel else (mesh, col, row)
-                for i, e in enumerate(self.experts):
-                    x = f"{p}.mlp.experts.{e}"
-                    sg = su = sd = None
-                    if fp8 is not None:
-                        sg, su, sd = scale_rows(w13n, 0, il, i), scale_rows(w13n, il, 2 * il, i), scales[w2n][i]
-                    put(f"{x}.gate_proj.weight", w13[i, :il], (ie, h), m, c, sg)
-                    put(f"{x}.up_proj.weight", w13[i, il:], (ie, h), m, c, su)
-                    put(f"{x}.down_proj.weight", w2[i], (h, ie), m, r, sd)
+    def attention(self, a: str) -> None:
+        s, lay, h, hd = self.spec, self.layout, self.spec.hidden_size, self.spec.head_dim
+        q_rows, kv_rows = lay.heads * hd, lay.kv_heads * hd
+        qkv = self.hold_linear(f"{a}.qkv_proj.weight", q_rows + 2 * kv_rows, h)
+        spans = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
+        for which, (lo, hi) in spans.items():
+            local = qkv[lo:hi]
+            heads = s.num_heads if which == "q" else s.num_kv_heads
+            m, pl = qkv_layout(which, self.mesh, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                               grouped=lay.qkv == "grouped")
+            if lay.qkv == "grouped":
+                local = grouped_local(local, num_kv_heads=s.num_kv_heads, tp=lay.tp_size)
+                shape = grouped_shape(which, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=hd,
+                                      trailing=(h,))
             else:
-                gun = f"{p}.mlp.gate_up_proj.weight"
-                gu = hold_linear(gun, 2 * self.inter, h)
-                sg = su = None
-                if fp8 is not None:
-                    sg, su = scale_rows(gun, 0, self.inter), scale_rows(gun, self.inter, 2 * self.inter)
-                put(f"{p}.mlp.gate_proj.weight", gu[:self.inter], (s.intermediate_size, h), mesh, col, sg)
-                put(f"{p}.mlp.up_proj.weight", gu[self.inter:], (s.intermediate_size, h), mesh, col, su)
-                own_linear(f"{p}.mlp.down_proj.weight", (h, self.inter), (h, s.intermediate_size), row)
-        own("model.norm.weight", (h,), (h,), rep)
-        if not s.tie_word_embeddings:
-            own("lm_head.weight", (self.vocab, h), (s.vocab_size, h), col)
-        return fused, out
+                shape = (heads * hd, h)
+            self.put(f"{a}.{which}_proj.weight", local, shape, m, pl, self.scale_rows(f"{a}.qkv_proj.weight", lo, hi))
+        self.own_linear(f"{a}.o_proj.weight", (h, q_rows), (h, s.num_heads * hd), self.row)
+        if s.qk_norm:
+            self.own(f"{a}.q_norm.weight", (hd,), (hd,), self.rep)
+            self.own(f"{a}.k_norm.weight", (hd,), (hd,), self.rep)
+
+    def experts(self, p: str) -> None:
+        s, lay, h = self.spec, self.layout, self.spec.hidden_size
+        self.own(f"{p}.mlp.gate.weight", (s.num_experts, h), (s.num_experts, h), self.rep)
+        ie, il, n = s.moe_intermediate_size, lay.expert_inter, len(lay.experts)
+        w13n, w2n = f"{p}.mlp.experts.w13_weight", f"{p}.mlp.experts.w2_weight"
+        w13 = self.hold_linear(w13n, n, 2 * il, h)
+        w2 = self.hold_linear(w2n, n, h, il)
+        # under EP an expert lives whole on its owner: a one-rank mesh, nothing to cut
+        m, c, r = ((np.array([lay.tp_rank]), self.rep, self.rep) if lay.expert_parallel
+                   else (self.mesh, self.col, self.row))
+        for i, e in enumerate(lay.experts):
+            x = f"{p}.mlp.experts.{e}"
+            down_scale = self.scales[w2n][i] if self.fp8 is not None else None
+            self.put(f"{x}.gate_proj.weight", w13[i, :il], (ie, h), m, c, self.scale_rows(w13n, 0, il, i))
+            self.put(f"{x}.up_proj.weight", w13[i, il:], (ie, h), m, c, self.scale_rows(w13n, il, 2 * il, i))
+            self.put(f"{x}.down_proj.weight", w2[i], (h, ie), m, r, down_scale)
+
+    def mlp(self, p: str) -> None:
+        s, inter, h = self.spec, self.layout.inter, self.spec.hidden_size
+        gun = f"{p}.mlp.gate_up_proj.weight"
+        gu = self.hold_linear(gun, 2 * inter, h)
+        self.put(f"{p}.mlp.gate_proj.weight", gu[:inter], (s.intermediate_size, h), self.mesh, self.col,
+                 self.scale_rows(gun, 0, inter))
+        self.put(f"{p}.mlp.up_proj.weight", gu[inter:], (s.intermediate_size, h), self.mesh, self.col,
+                 self.scale_rows(gun, inter, 2 * inter))
+        self.own_linear(f"{p}.mlp.down_proj.weight", (h, inter), (h, s.intermediate_size), self.row)
