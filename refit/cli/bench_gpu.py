@@ -241,15 +241,35 @@ def _runner(group, plan, src, dst, **kw):
 
 def transport_rank(group, cfg: dict) -> dict:
     side = rank_tensors(group, cfg)
-    dev, names, src, dst = side.device, side.names, side.src, side.dst
+    src, dst = side.src, side.dst
     out = side.header()
-
-    # --- refit, main configuration, verified
     budget = cfg["staging_mib"] * MIB
+    kw = dict(staging_budget_bytes=budget, group_bytes=cfg["group_mib"] * MIB)
+    plan = _bench_refit(group, side, cfg, kw, out)
+    out["raw"] = _bench_raw(group, side.device, out["bytes"], cfg["iters"])
+    out["sweep"] = _bench_sweep(group, side, plan, cfg, budget, out) if cfg["sweep"] else []
+    _bench_broadcasts(group, side, cfg, out)
+    out["hygiene_bf16"] = _hygiene(group, side.device, plan, src, dst, cfg["refits"], kw)
+    # experimental: the engine pulls over CUDA IPC with copy engines (same host only)
+    if cfg["ipc"] and side.device.type == "cuda":
+        try:
+            side.poison()
+            out["ipc"] = _ipc_pull(group, src, dst, side.names, cfg)
+            out["ipc"]["verified"] = side.verify(cfg["seed"] + 7)[0] if group.rank == 1 else None
+        except Exception as e:  # an experiment must not sink the benchmark
+            out["ipc"] = {"error": f"{type(e).__name__}: {e}"}
+    if cfg["fp32"]:
+        _bench_fp32(group, side, cfg, kw, out)
+    release_staging(side.device)
+    return out
+
+
+def _bench_refit(group, side, cfg: dict, kw: dict, out: dict):
+    """The refit in the main configuration, verified: first run, timed loop, a fresh executor, the breakdown."""
+    src, dst = side.src, side.dst
     plan, build_s = _make_plan(group, src, dst, cfg["bucket_mib"] * MIB)
     out["plan"] = {"build_s": build_s, "rounds": plan.num_rounds, "sends": len(plan.sends),
                    "recvs": len(plan.recvs), "direct": sum(len(b.ops) == 1 for b in plan.sends + plan.recvs)}
-    kw = dict(staging_budget_bytes=budget, group_bytes=cfg["group_mib"] * MIB)
     side.poison()
     st = make_executor(plan, group, transport="streamed", **kw).run(src, dst)
     out["refit_first_s"] = st.seconds
@@ -259,11 +279,13 @@ def transport_rank(group, cfg: dict) -> dict:
     out["refit"] = _timed_loop(group, _runner(group, plan, src, dst, sync=False, **kw), cfg["iters"])
     out["verify_refit_fresh"] = _fresh_refit(
         group, side, cfg["seed"] + 7, lambda: make_executor(plan, group, transport="streamed", **kw).run(src, dst))
-
     out["refit_breakdown"] = _breakdown(group, plan, src, dst, kw)
+    return plan
 
-    # --- raw NCCL: one flat buffer of the same bytes
-    bufs = {"flat": torch.empty(out["bytes"], dtype=torch.uint8, device=dev)}
+
+def _bench_raw(group, dev, nbytes: int, iters: int) -> dict:
+    """Raw NCCL: one flat buffer of the same bytes."""
+    bufs = {"flat": torch.empty(nbytes, dtype=torch.uint8, device=dev)}
 
     def raw():
         flat = bufs["flat"]
@@ -271,32 +293,38 @@ def transport_rank(group, cfg: dict) -> dict:
         for w in works:  # gloo only: NCCL work is ordered on the stream
             group.wait(w)
 
-    out["raw"] = _timed_loop(group, raw, cfg["iters"])
-    bufs.clear()
+    res = _timed_loop(group, raw, iters)
+    bufs.clear()  # given back before the sweeps allocate theirs
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    return res
 
-    # --- sweep of bucket and group sizes
-    sweep = []
-    if cfg["sweep"]:
-        for b_mib, g_mib in [(1024, g) for g in (64, 256, 4096, 1 << 20)] + [(128, 1024)]:
-            p, _ = _make_plan(group, src, dst, b_mib * MIB)
-            res = _timed_loop(group, _runner(group, p, src, dst, sync=False, staging_budget_bytes=budget,
-                                             group_bytes=g_mib * MIB), max(3, cfg["iters"] // 2))
-            sweep.append({"bucket_mib": b_mib, "group_mib": g_mib, "packed": False, "rounds": p.num_rounds, **res})
-        # fewer, larger NCCL ops: blocks under the threshold are packed (copies overlap the wire)
-        for direct_mib, b_mib in ((16, 512), (64, 512), (1 << 20, 512), (1 << 20, 1024)):
-            p = _repack(plan, direct_mib * MIB, b_mib * MIB)
-            res = _timed_loop(group, _runner(group, p, src, dst, sync=False, staging_budget_bytes=budget,
-                                             group_bytes=cfg["group_mib"] * MIB), max(3, cfg["iters"] // 2))
-            sweep.append({"bucket_mib": b_mib, "group_mib": cfg["group_mib"], "packed": f"<{direct_mib}MiB",
-                          "rounds": p.num_rounds, "ops": len(p.sends) + len(p.recvs), **res})
-        side.poison()  # the last (all-packed) variant lands the same bytes
-        make_executor(p, group, transport="streamed", staging_budget_bytes=budget).run(src, dst)
-        out["verify_repacked"] = side.verify(cfg["seed"] + 7)
-    out["sweep"] = sweep
 
-    # --- per-tensor broadcast baselines
+def _bench_sweep(group, side, plan, cfg: dict, budget: int, out: dict) -> list[dict]:
+    """Bucket and group sizes, then fewer, larger NCCL ops (blocks under a threshold packed)."""
+    src, dst, sweep = side.src, side.dst, []
+    for b_mib, g_mib in [(1024, g) for g in (64, 256, 4096, 1 << 20)] + [(128, 1024)]:
+        p, _ = _make_plan(group, src, dst, b_mib * MIB)
+        res = _timed_loop(group, _runner(group, p, src, dst, sync=False, staging_budget_bytes=budget,
+                                         group_bytes=g_mib * MIB), max(3, cfg["iters"] // 2))
+        sweep.append({"bucket_mib": b_mib, "group_mib": g_mib, "packed": False, "rounds": p.num_rounds, **res})
+    # fewer, larger NCCL ops: blocks under the threshold are packed (copies overlap the wire)
+    for direct_mib, b_mib in ((16, 512), (64, 512), (1 << 20, 512), (1 << 20, 1024)):
+        p = _repack(plan, direct_mib * MIB, b_mib * MIB)
+        res = _timed_loop(group, _runner(group, p, src, dst, sync=False, staging_budget_bytes=budget,
+                                         group_bytes=cfg["group_mib"] * MIB), max(3, cfg["iters"] // 2))
+        sweep.append({"bucket_mib": b_mib, "group_mib": cfg["group_mib"], "packed": f"<{direct_mib}MiB",
+                      "rounds": p.num_rounds, "ops": len(p.sends) + len(p.recvs), **res})
+    side.poison()  # the last (all-packed) variant lands the same bytes
+    make_executor(p, group, transport="streamed", staging_budget_bytes=budget).run(src, dst)
+    out["verify_repacked"] = side.verify(cfg["seed"] + 7)
+    return sweep
+
+
+def _bench_broadcasts(group, side, cfg: dict, out: dict) -> None:
+    """The per-tensor baselines: broadcast (with and without a per-tensor handshake) and xferdtensor_golden."""
+    src, dst, dev, names = side.src, side.dst, side.device, side.names
+
     def bcast_loop(handshake: bool):
         def fn():
             for n, shape in names:
@@ -315,7 +343,6 @@ def transport_rank(group, cfg: dict) -> dict:
     out["verify_bcast"] = side.verify(cfg["seed"] + 7)
     out["bcast_handshake"] = _timed_loop(group, bcast_loop(True), 1, warmup=1, singles=0)
 
-    # --- xferdtensor_golden, per tensor
     def golden():
         for n, shape in names:
             s = DTensorRef(src[n], shape) if group.rank == 0 else None
@@ -326,62 +353,51 @@ def transport_rank(group, cfg: dict) -> dict:
     out["golden"] = _timed_loop(group, golden, 1, warmup=1, singles=0)
     out["verify_golden"] = side.verify(cfg["seed"] + 7)
 
-    # --- hygiene: 50 refits, staging bounded and GPU memory flat
-    def hygiene(plan_, src_, dst_, n):
-        _sync(dev)
-        base = _allocated(dev)
+
+def _hygiene(group, dev, plan, src: dict, dst: dict, n: int, kw: dict) -> dict:
+    """``n`` refits with fresh executors: staging stays bounded and GPU memory flat."""
+    _sync(dev)
+    base = _allocated(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    peaks, allocs = [], []
+    for _ in range(n):
+        stats = make_executor(plan, group, transport="streamed", **kw).run(src, dst)
+        peaks.append(stats.peak_staging_bytes)
+        allocs.append(_allocated(dev))
+    peak_alloc = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else 0
+    return {"refits": n, "peak_staging_bytes": max(peaks), "capacity": stats.staging_capacity_bytes,
+            "budget": kw["staging_budget_bytes"], "alloc_first": allocs[0] - base, "alloc_last": allocs[-1] - base,
+            "max_allocated_over_base": peak_alloc}
+
+
+def _bench_fp32(group, side, cfg: dict, kw: dict, out: dict) -> None:
+    """fp32 sources to bf16 destinations: the cast made while packing."""
+    dst, dev = side.dst, side.device
+    src32 = {}
+    if group.rank == 0:
+        for i, (n, shape) in enumerate(side.names):
+            src32[n] = torch.empty(shape, dtype=torch.float32, device=dev)
+            fill_pattern(src32[n], shape, whole(shape), cfg["seed"] + 11 + i)
+        side.src.clear()
         if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        peaks, allocs = [], []
-        for _ in range(n):
-            s_ = make_executor(plan_, group, transport="streamed", **kw).run(src_, dst_)
-            peaks.append(s_.peak_staging_bytes)
-            allocs.append(_allocated(dev))
-        peak_alloc = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else 0
-        return {"refits": n, "peak_staging_bytes": max(peaks), "capacity": s_.staging_capacity_bytes,
-                "budget": budget, "alloc_first": allocs[0] - base, "alloc_last": allocs[-1] - base,
-                "max_allocated_over_base": peak_alloc}
-
-    out["hygiene_bf16"] = hygiene(plan, src, dst, cfg["refits"])
-
-    # --- experimental: the engine pulls over CUDA IPC with copy engines (same host only)
-    if cfg["ipc"] and dev.type == "cuda":
-        try:
-            side.poison()
-            out["ipc"] = _ipc_pull(group, src, dst, names, cfg)
-            out["ipc"]["verified"] = side.verify(cfg["seed"] + 7)[0] if group.rank == 1 else None
-        except Exception as e:  # an experiment must not sink the benchmark
-            out["ipc"] = {"error": f"{type(e).__name__}: {e}"}
-
-    # --- fp32 -> bf16 (cast while packing)
-    if cfg["fp32"]:
-        src32 = {}
-        if group.rank == 0:
-            for i, (n, shape) in enumerate(names):
-                src32[n] = torch.empty(shape, dtype=torch.float32, device=dev)
-                fill_pattern(src32[n], shape, whole(shape), cfg["seed"] + 11 + i)
-            src.clear()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        plan32, _ = _make_plan(group, src32, dst, cfg["bucket32_mib"] * MIB)
-        side.poison()
-        make_executor(plan32, group, transport="streamed", **kw).run(src32, dst)
-        out["verify_fp32"] = side.verify(cfg["seed"] + 11)
-        out["fp32"] = _timed_loop(group, _runner(group, plan32, src32, dst, sync=False, **kw), cfg["iters"])
-        out["fp32_rounds"] = plan32.num_rounds
-        out["fp32_breakdown"] = _breakdown(group, plan32, src32, dst, kw)
-        out["hygiene_fp32"] = hygiene(plan32, src32, dst, cfg["refits"])
-        out["fp32_sweep"] = []
-        if cfg["sweep"]:
-            for b_mib, budget_mib, g_mib in ((256, 1024, 1024), (1024, 4096, 2048), (512, 1024, 1024)):
-                p32, _ = _make_plan(group, src32, dst, b_mib * MIB)
-                runner = _runner(group, p32, src32, dst, sync=False, staging_budget_bytes=budget_mib * MIB,
-                                 group_bytes=g_mib * MIB)
-                res = _timed_loop(group, runner, max(3, cfg["iters"] // 2))
-                out["fp32_sweep"].append({"bucket_mib": b_mib, "staging_mib": budget_mib, "group_mib": g_mib, **res})
-
-    release_staging(dev)
-    return out
+            torch.cuda.empty_cache()
+    plan32, _ = _make_plan(group, src32, dst, cfg["bucket32_mib"] * MIB)
+    side.poison()
+    make_executor(plan32, group, transport="streamed", **kw).run(src32, dst)
+    out["verify_fp32"] = side.verify(cfg["seed"] + 11)
+    out["fp32"] = _timed_loop(group, _runner(group, plan32, src32, dst, sync=False, **kw), cfg["iters"])
+    out["fp32_rounds"] = plan32.num_rounds
+    out["fp32_breakdown"] = _breakdown(group, plan32, src32, dst, kw)
+    out["hygiene_fp32"] = _hygiene(group, dev, plan32, src32, dst, cfg["refits"], kw)
+    out["fp32_sweep"] = []
+    if cfg["sweep"]:
+        for b_mib, budget_mib, g_mib in ((256, 1024, 1024), (1024, 4096, 2048), (512, 1024, 1024)):
+            p32, _ = _make_plan(group, src32, dst, b_mib * MIB)
+            runner = _runner(group, p32, src32, dst, sync=False, staging_budget_bytes=budget_mib * MIB,
+                             group_bytes=g_mib * MIB)
+            res = _timed_loop(group, runner, max(3, cfg["iters"] // 2))
+            out["fp32_sweep"].append({"bucket_mib": b_mib, "staging_mib": budget_mib, "group_mib": g_mib, **res})
 
 
 def nixl_rank(group, cfg: dict) -> dict:
