@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -88,6 +89,12 @@ class VllmEngineHost:
         return self.llm.collective_rpc("refit_dispatch", args=(blob,))
 
     def _batch(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
+        if method == REQUESTS and "ray" in sys.modules:
+            # a host run as a Ray actor: the controller's large arguments arrive as object references,
+            # which the engine's own workers (no Ray actors) could not fetch
+            from refit.runtime.ray import fetch_shared
+
+            calls = {rank: fetch_shared(call) for rank, call in calls.items()}
         return [open_sealed(a, self._key) for a in self._rpc(seal((method, calls), self._key))]
 
     def _on_every_worker(self, method: str, *args: Any) -> list[Any]:
