@@ -166,6 +166,13 @@ class _Summer:
         self.pieces = pieces
         self.sums = torch.empty(-(-nbytes // ROW), dtype=torch.int64, device=buf.device)
 
+    @classmethod
+    def of_row_sums(cls, sums: torch.Tensor, nbytes: int) -> _Summer:
+        """A span whose row sums are already taken (``refit.transport.copy_sum``, in the copy's pass)."""
+        summer = cls.__new__(cls)
+        summer.buf, summer.nbytes, summer.done, summer.pieces, summer.sums = None, nbytes, nbytes, False, sums
+        return summer
+
     def upto(self, end: int) -> None:
         """Sum the rows up to ``end`` (rounded down to a row, except at the bucket's end): every byte
         below ``end`` is final (packed, or arrived)."""
@@ -176,7 +183,7 @@ class _Summer:
 
     def value(self) -> torch.Tensor:
         if not self.sums.numel():
-            return torch.tensor(self.nbytes, dtype=torch.int64, device=self.buf.device)
+            return torch.tensor(self.nbytes, dtype=torch.int64, device=self.sums.device)
         return 2 * self.sums.cumsum(0).sum() + self.sums.sum() + self.nbytes
 
 
@@ -255,6 +262,15 @@ class ChecksumLedger:
             summer.upto(buf.numel())
             summers.append(summer)
         self._blocks.append((sent, key, summers))
+
+    def summed(self, key: tuple[int, int], row_sums: torch.Tensor, nbytes: int, *, sent: bool) -> None:
+        """The checksum of a packed bucket whose row sums were taken while copying it."""
+        (self._sent if sent else self._received).append((key, _Summer.of_row_sums(row_sums, nbytes)))
+
+    def summed_blocks(self, key: tuple[int, int], blocks: list[tuple[torch.Tensor, int]], *, sent: bool) -> None:
+        """``blocks`` (the form of a bucket that is never packed) with each block's row sums taken
+        while copying it: ``(row sums, nbytes)`` per block, in bucket order."""
+        self._blocks.append((sent, key, [_Summer.of_row_sums(sums, n) for sums, n in blocks]))
 
     def settle(self) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
         """Every checksum as host ints: (sent, received), each keyed (peer, bucket index).

@@ -86,6 +86,7 @@ from refit.transport.buckets import (
     pack_bucket,
     unpack_bucket,
 )
+from refit.transport.copy_sum import CopySumBatch, NotFusable, fused_enabled
 from refit.transport.one_sided import OneSidedTransport
 
 __all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "ShmSegment", "export_cuda",
@@ -463,6 +464,41 @@ class _Copy:
     staged: torch.Tensor | None = None  # host: the bucket's packed bytes in the source's segment
 
 
+@dataclass
+class _FusedSums:
+    """One batch of blocks copied (or only read) and summed in one kernel, and each bucket's streams."""
+
+    batch: CopySumBatch
+    streams: list[tuple[Bucket, list[int]]]  # every bucket, with one stream per block (the blocks form)
+
+    def record(self, ledger: ChecksumLedger, *, sent: bool) -> None:
+        """Give each bucket's row sums of the last launch to ``ledger`` (after the launch was queued)."""
+        for b, streams in self.streams:
+            ledger.summed_blocks((b.peer, b.index), [(self.batch.sums(k), self.batch.stream_bytes(k))
+                                                     for k in streams], sent=sent)
+
+
+def _fuse(device: torch.device, pairs: list[tuple[Bucket, list[tuple[torch.Tensor | None, torch.Tensor]]]]
+          ) -> _FusedSums | None:
+    """The fused form of buckets given as (bucket, [(destination or None, source) per op]), or None
+    when any block cannot take it (a cast, an odd size or stride): then all stay unfused."""
+    batch, streams = CopySumBatch(device), []
+    try:
+        for b, blocks in pairs:
+            if not b.nbytes:
+                continue
+            ids = []
+            for d, s in blocks:
+                if d is not None and d.dtype != s.dtype:
+                    return None
+                ids.append(batch.stream(s.numel() * s.element_size()))
+                batch.add(ids[-1], 0, s, d)
+            streams.append((b, ids))
+    except NotFusable:
+        return None
+    return _FusedSums(batch.build(), streams)
+
+
 def _view_of(base: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int],
              stride: Sequence[int]) -> torch.Tensor:
     size = dtype.itemsize
@@ -522,6 +558,11 @@ class IpcTransport(OneSidedTransport):
         self._graphs: dict[int, Any] = {}  # source rank -> the CUDA graph of its copies
         self._bound_sig: tuple = ()
         self._scratch: StagingPool | None = None
+        # one kernel per refit that copies and sums (receiver) or sums (sender): made on the
+        # first verified run, None where some block cannot take it (then the eager path runs)
+        self._fused_recv: dict[int, _FusedSums | None] = {}
+        self._fused_send: _FusedSums | None | bool = False  # False: not made yet
+        self._side_stream: Any = None
         _IN_PROCESS[self.name] = self
 
     # -- setup ------------------------------------------------------------------------------
@@ -553,6 +594,7 @@ class IpcTransport(OneSidedTransport):
         self.plan = plan
         self._src, self._dst = src, dst
         self._sends, self._recvs = self._by_peer(plan.sends, src, "src"), self._by_peer(plan.recvs, dst, "dst")
+        self._fused_send, self._fused_recv = False, {}
         self._export(src)
         self._bound_sig = self._signature(src, dst)
         self._local_digest = _digest(self.name, sorted(self._regions.items()), sorted(self._tensors.items()),
@@ -673,6 +715,7 @@ class IpcTransport(OneSidedTransport):
             prev.close()
         self._copies = {p: [self._copy_of(b, self._peers[p]) for b in bs] for p, bs in self._recvs.items()}
         self._graphs = {p: g for p, cs in self._copies.items() if (g := self._capture(p, cs)) is not None}
+        self._fused_recv = {}
         self.epoch = epoch
         self.seq = 0
         self._installed_digest = self._local_digest
@@ -808,10 +851,18 @@ class IpcTransport(OneSidedTransport):
         restore: list[tuple[torch.Tensor, torch.Tensor]] = []
         # 1. sources: make the data readable, then publish the generation
         stats.local_bytes = local_copies(self.plan, src, dst)
+        fused_send = self._fused_sends() if cuda and ledger is not None and corrupt is None else None
+        side = None
+        if fused_send is not None:  # the sums run beside the receivers' copies, never ahead of them
+            side = self._side()
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                fused_send.batch.launch()
+            fused_send.record(ledger, sent=True)
         for peer, bs in self._sends.items():
             for b in bs:
                 if cuda:
-                    if ledger is not None or corrupt is not None:
+                    if fused_send is None and (ledger is not None or corrupt is not None):
                         self._sum_or_corrupt(b, src, ledger, corrupt, restore)
                 else:
                     buf = pack_bucket(b, src, self._staged_views[(peer, b.index)], ledger=ledger,
@@ -889,9 +940,35 @@ class IpcTransport(OneSidedTransport):
         stats.staging_capacity_bytes = self._staging.nbytes if self._staging is not None else 0
         stats.peak_staging_bytes = stats.staging_capacity_bytes
         if ledger is not None:
+            if side is not None:
+                stream.wait_stream(side)
             stats.checksums_sent, stats.checksums_received = ledger.settle()
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _side(self) -> Any:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
+
+    def _fused_sends(self) -> _FusedSums | None:
+        """The sender's sums of every block it exports, as one read-only kernel (made once per prepare)."""
+        if self._fused_send is False:
+            self._fused_send = None
+            buckets = [b for bs in self._sends.values() for b in bs]
+            casts = any(self._src[op.name].dtype != dtype_from_name(op.dst_dtype) for b in buckets for op in b.ops)
+            if fused_enabled(self.device) and not casts:  # a cast block is summed as the receiver casts it
+                self._fused_send = _fuse(self.device, [
+                    (b, [(None, self._src[op.name][op.box.src_slices()]) for op in b.ops]) for b in buckets])
+        return self._fused_send
+
+    def _fused_receives(self, peer: int) -> _FusedSums | None:
+        """The copies from ``peer`` and their sums as one kernel (made once per membership)."""
+        if peer not in self._fused_recv:
+            copies = self._copies[peer]
+            ok = fused_enabled(self.device) and all(c.bounce is None and c.staged is None for c in copies)
+            self._fused_recv[peer] = _fuse(self.device, [(c.bucket, list(c.pairs)) for c in copies]) if ok else None
+        return self._fused_recv[peer]
 
     def _capture(self, peer: int, copies: list[_Copy]) -> Any:
         """The copies from one source as one CUDA graph, replayed at every refit.
@@ -920,6 +997,16 @@ class IpcTransport(OneSidedTransport):
         return graph
 
     def _receive(self, peer: int, dst: TensorMap, stats: TransferStats, ledger: ChecksumLedger | None) -> Any:
+        fused = self._fused_receives(peer) if ledger is not None and self.device.type == "cuda" else None
+        if fused is not None:
+            fused.batch.launch()  # every copy from this source and its checksums, in one pass
+            fused.record(ledger, sent=False)
+            for c in self._copies[peer]:
+                stats.bytes_received += c.bucket.nbytes
+                stats.buckets_received += 1
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return event
         graph = self._graphs.get(peer)
         if graph is not None:
             graph.replay()  # every copy from this source at once

@@ -1,0 +1,87 @@
+"""Block-scaled FP8 in one pass on a GPU: each 128 x 128 block read once, its scale and weight written.
+
+Eager torch takes five passes over a shard (abs, amax, multiply, clamp, cast) and on an H200
+quantized at 113 GB/s of bf16, slower than the wire it was meant to halve. One Triton
+program per block (``refit.transport.triton_kernels.block_quantize_kernel``) reads the
+block, takes its amax and writes the FP8 weight and the scale: the bits of
+``refit.models.fp8.quantize_reference``, since every step is a max, a correctly rounded
+division or one float32 multiply.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refit.plan.quant import BlockFp8
+from refit.transport.copy_sum import fused_enabled, interpreted
+
+MIN_AMAX = 1e-12  # refit.models.fp8.MIN_AMAX
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def one_pass_ready(x: torch.Tensor, fmt: BlockFp8) -> bool:
+    """Whether ``x`` takes the one-pass kernel: on a GPU with Triton (or its CPU interpreter), a
+    contiguous matrix (or stack) in float32 scales, blocks of powers of two."""
+    device_ok = fused_enabled(x.device) or (x.device.type == "cpu" and interpreted())
+    return (device_ok and x.dim() >= 2 and x.is_contiguous() and fmt.scale_dtype == "float32"
+            and all(_power_of_two(b) for b in fmt.block) and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor | None, grid: torch.Tensor, fmt: BlockFp8, mode: int) -> None:
+    from refit.transport.triton_kernels import block_quantize_kernel
+
+    *lead, rows, cols = x.shape
+    br, bc = fmt.block
+    nr, nc = -(-rows // br), -(-cols // bc)
+    n_lead = 1
+    for n in lead:
+        n_lead *= n
+    if not x.numel():
+        return
+    block_quantize_kernel[(n_lead * nr, nc)](x, x if q is None else q, grid, rows, cols, nr, nc,
+                                             fmt.max_value, MIN_AMAX, BR=br, BC=bc, MODE=mode, num_warps=8)
+
+
+def quantize_own_blocks(x: torch.Tensor, out: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFp8) -> None:
+    """``out`` and ``scale_inv`` of a shard whose blocks start at its origin, from its blocks alone.
+
+    ``out`` is FP8, or float32 for the values before the cast (what a check of the kernel's
+    arithmetic reads where the FP8 cast itself is emulated).
+    """
+    from refit.transport.triton_kernels import QUANTIZE_OWN
+
+    _check(x, out, scale_inv, fmt)
+    _launch(x, out, scale_inv, fmt, QUANTIZE_OWN)
+
+
+def quantize_with_factors(x: torch.Tensor, factors: torch.Tensor, out: torch.Tensor, fmt: BlockFp8) -> None:
+    """``out`` of a shard whose blocks start at its origin, given each block's factor (a merged amax's)."""
+    from refit.transport.triton_kernels import QUANTIZE_WITH_FACTORS
+
+    factors = factors.float().contiguous()
+    _check(x, out, factors, fmt)
+    _launch(x, out, factors, fmt, QUANTIZE_WITH_FACTORS)
+
+
+def block_amax_one_pass(x: torch.Tensor, fmt: BlockFp8) -> torch.Tensor:
+    """The amax of every block of a shard whose blocks start at its origin (float32 grid)."""
+    from refit.transport.triton_kernels import AMAX_ONLY
+
+    grid = torch.zeros(fmt.scale_shape(x.shape), dtype=torch.float32, device=x.device)
+    _launch(x, None, grid, fmt, AMAX_ONLY)
+    return grid
+
+
+def _check(x: torch.Tensor, out: torch.Tensor, grid: torch.Tensor, fmt: BlockFp8) -> None:
+    if tuple(out.shape) != tuple(x.shape) or not out.is_contiguous():
+        raise ValueError(f"the FP8 output {list(out.shape)} must be contiguous and of the shard's shape "
+                         f"{list(x.shape)}")
+    if tuple(grid.shape) != fmt.scale_shape(x.shape) or not grid.is_contiguous() or grid.dtype != torch.float32:
+        raise ValueError(f"the scale grid {list(grid.shape)} {grid.dtype} must be contiguous float32 of shape "
+                         f"{list(fmt.scale_shape(x.shape))}")
+
+
+__all__ = ["block_amax_one_pass", "one_pass_ready", "quantize_own_blocks", "quantize_with_factors"]

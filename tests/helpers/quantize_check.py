@@ -1,0 +1,62 @@
+"""Run in a subprocess with ``TRITON_INTERPRET=1`` (or on a GPU): the one-pass FP8 kernel against
+``quantize_reference``, bit for bit, for whole and ragged blocks, stacks and given factors.
+
+Prints one line per case and ``quantize: ok`` at the end; any difference raises.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from refit.models.fp8 import block_amax, factors_from_amax, quantize_reference
+from refit.plan.quant import BlockFp8
+from refit.transport.quantize_gpu import (
+    block_amax_one_pass,
+    one_pass_ready,
+    quantize_own_blocks,
+    quantize_with_factors,
+)
+
+
+def main() -> None:
+    device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    gen = torch.Generator().manual_seed(3)
+    cases = [((256, 384), torch.bfloat16, BlockFp8()), ((300, 200), torch.bfloat16, BlockFp8()),
+             ((2, 130, 260), torch.float32, BlockFp8()), ((128, 128), torch.bfloat16, BlockFp8(fmt="e5m2")),
+             ((64, 96), torch.bfloat16, BlockFp8(block=(32, 32)))]
+    for shape, dtype, fmt in cases:
+        x = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen) * 4).to(dtype)
+        x[..., :3, :5] = 0  # an all-zero corner, and blocks of very different ranges
+        x[..., -1, -1] = 448.0 * 3
+        x = x.to(device)
+        assert one_pass_ready(x, fmt), f"{shape} {dtype} should take the one-pass kernel"
+        want_q, want_s = quantize_reference(x.cpu(), fmt)
+        # Triton's CPU interpreter emulates the FP8 cast without rounding to nearest even (10.5 -> 11,
+        # 126.9 -> 64), so there the kernel writes the float32 values it would cast and torch casts
+        # them; on a GPU the kernel's own cast is checked
+        exact = device.type == "cuda"
+        q = torch.empty(shape, dtype=want_q.dtype if exact else torch.float32, device=device)
+        s = torch.empty(want_s.shape, dtype=torch.float32, device=device)
+        quantize_own_blocks(x, q, s, fmt)
+        q = q if exact else q.to(want_q.dtype)
+        if not torch.equal(s.cpu(), want_s):
+            raise AssertionError(f"{shape} {dtype} {fmt}: the scales differ from quantize_reference")
+        differ = q.cpu().view(torch.uint8) != want_q.view(torch.uint8)
+        if differ.any():
+            raise AssertionError(f"{shape} {dtype} {fmt}: {int(differ.sum())} FP8 elements differ")
+        amax = block_amax_one_pass(x, fmt)
+        if not torch.equal(amax.cpu(), block_amax(x.cpu(), fmt)):
+            raise AssertionError(f"{shape}: the one-pass amax differs from block_amax")
+        q2 = torch.empty(shape, dtype=want_q.dtype if exact else torch.float32, device=device)
+        quantize_with_factors(x, factors_from_amax(amax, fmt), q2, fmt)
+        q2 = q2 if exact else q2.to(want_q.dtype)
+        if not torch.equal(q2.view(torch.uint8), q.view(torch.uint8)):
+            raise AssertionError(f"{shape}: the given-factors pass differs from the own-blocks pass")
+        print(f"{list(shape)} {dtype} {fmt.fmt} {fmt.block}: equal to quantize_reference")
+    print("quantize: ok")
+
+
+if __name__ == "__main__":
+    main()
