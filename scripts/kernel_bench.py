@@ -22,7 +22,7 @@ from refit.models.fp8 import quantize_aligned
 from refit.models.specs import get_model
 from refit.plan.quant import BlockFp8
 from refit.transport.buckets import ChecksumLedger, flat_bytes
-from refit.transport.copy_sum import CopySumBatch
+from refit.transport.copy_sum import CopySumBatch, grouped_copy
 from refit.transport.quantize_gpu import quantize_own_blocks
 
 
@@ -114,6 +114,21 @@ def main() -> None:
     out["fused_sums_equal"] = a.settle() == b.settle()
     out["fused_copies_equal"] = all(torch.equal(s, d) for s, d in pairs)
 
+    # a staged switch: the engine's whole tensors from their staging copies
+    live = {id(d): d._base if d._base is not None else d for _, d in pairs}
+    lives = list(live.values())
+    stagings = [torch.randn_like(t) for t in lives]
+    out["switch_bytes"] = sum(t.numel() * 2 for t in lives)
+    out["switch_per_tensor_s"] = timed(lambda: [t.copy_(s) for t, s in zip(lives, stagings)])
+    out["switch_grouped_s"] = timed(lambda: grouped_copy(list(zip(lives, stagings))))
+    flat2 = torch.empty(out["switch_bytes"], dtype=torch.uint8, device=dev)
+    flat3 = torch.empty_like(flat2)
+    out["switch_flat_s"] = timed(lambda: flat3.copy_(flat2))
+    for t in lives:
+        t.zero_()
+    grouped_copy(list(zip(lives, stagings)))
+    out["switch_equal"] = all(torch.equal(t, s) for t, s in zip(lives, stagings))
+
     fmt = BlockFp8()
     qbytes = sum(x.numel() * 2 for x in linears)
     outs = [torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=dev) for x in linears]
@@ -142,6 +157,10 @@ def main() -> None:
               "sum_only_s"):
         print(f"  {k:26} {out[k] * 1e3:8.2f} ms {gb / out[k]:8.0f} GB/s  {out['flat_copy_s'] / out[k]:.2f} of flat")
     print(f"  fused sums equal unfused: {out['fused_sums_equal']}, copies equal: {out['fused_copies_equal']}")
+    sgb = out["switch_bytes"] / 1e9
+    for k in ("switch_flat_s", "switch_per_tensor_s", "switch_grouped_s"):
+        print(f"  {k:26} {out[k] * 1e3:8.2f} ms {sgb / out[k]:8.0f} GB/s  ({sgb:.2f} GB)")
+    print(f"  grouped switch copies equal: {out['switch_equal']}")
     qgb = qbytes / 1e9
     for k in ("quantize_eager_s", "quantize_compiled_s", "quantize_one_pass_s"):
         print(f"  {k:26} {out[k] * 1e3:8.2f} ms {qgb / out[k]:8.0f} GB/s of bf16 in")

@@ -348,6 +348,37 @@ def spread(values: list[float], nbytes: int) -> dict:
     return {"median_s": median, "p90_s": float(np.percentile(values, 90)), "GBps": nbytes / median / GB}
 
 
+FLAT_CHUNK = 4 << 30  # a flat copy's buffers: large copies run at the device's full rate
+
+
+def flat_copy_figure(nbytes: int, *, gpus: int, peer: bool, iters: int = 10, warmup: int = 2) -> dict:
+    """The copy's limit on this placement: ``nbytes`` copied flat, device to device (or GPU 0 to GPU 1
+    when the ranks have a GPU each), in 4 GiB pieces; median of ``iters`` after ``warmup``. Run after
+    the fleet is gone, so the buffers fit beside nothing."""
+    src_dev = torch.device("cuda", 0)
+    dst_dev = torch.device("cuda", 1) if peer and gpus >= 2 else src_dev
+    size = min(nbytes, FLAT_CHUNK)
+    src = torch.empty(size, dtype=torch.uint8, device=src_dev)
+    dst = torch.empty(size, dtype=torch.uint8, device=dst_dev)
+    pieces = [min(size, nbytes - pos) for pos in range(0, nbytes, size)]
+    times = []
+    for i in range(warmup + iters):
+        torch.cuda.synchronize(src_dev)
+        torch.cuda.synchronize(dst_dev)
+        t0 = time.perf_counter()
+        for n in pieces:
+            dst[:n].copy_(src[:n])
+        torch.cuda.synchronize(src_dev)
+        torch.cuda.synchronize(dst_dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    fig = spread(times, nbytes)
+    fig["placement"] = f"cuda:0 -> {dst_dev}"
+    return fig
+
+
 def quantize_figures(raws: list[RawStep], kernels: list[dict]) -> dict | None:
     """Whether quantizing on the trainer ranks can keep up with the wire (None: no FP8 engines).
 
@@ -369,6 +400,13 @@ def quantize_figures(raws: list[RawStep], kernels: list[dict]) -> dict | None:
         "ahead_median_s": statistics.median(q["ahead_s"] for q in reports) if reports else None,
         "beside_median_s": statistics.median(q["beside_s"] for q in reports) if reports else None,
     }
+
+
+def fused_kernels(device: str) -> bool:
+    """Whether this run's GPU copies, checksums and FP8 quantization took the fused Triton kernels."""
+    from refit.transport.copy_sum import fused_enabled
+
+    return device == "cuda" and fused_enabled(torch.device("cuda"))
 
 
 def run_sync_bench(args) -> dict:
@@ -440,6 +478,7 @@ def run_sync_bench(args) -> dict:
     raw_fig = spread([r.seconds for r in raws], nbytes)
     raw_fig["round_median_s"] = statistics.median(r.round_s for r in raws)
     checked_fig = spread([r.seconds for r in checked], nbytes)
+    flat = flat_copy_figure(nbytes, gpus=gpus, peer=args.transport == "nccl") if args.device == "cuda" else None
     if args.transport == "nixl":
         device = f"{'cpu' if args.device == 'cpu' else torch.cuda.get_device_name(0)} (NIXL one-sided writes)"
     elif args.transport == "ipc":
@@ -455,6 +494,9 @@ def run_sync_bench(args) -> dict:
         "dtype": dtypes[0], "dst_dtype": dtypes[1], "bytes_per_step": nbytes, "warmup": args.warmup,
         "iters": args.iters, "sync": sync_fig, "raw": raw_fig, "raw_checksummed": checked_fig,
         "sync_over_raw": sync_fig["median_s"] / raw_fig["median_s"],
+        # the limit of this placement: a flat copy of the step's bytes (GPU only)
+        "flat_copy": flat, "sync_over_flat": sync_fig["median_s"] / flat["median_s"] if flat else None,
+        "fused": fused_kernels(args.device),
         "verified": all(s.verified for s in syncs), "same_bytes": all(s.bytes == nbytes for s in syncs),
         "rebuilds_after_init": sum(s.rebuilt for s in syncs), "correct": not wrong, "wrong": wrong,
         "fleet_start_s": start_s, "init_communicator_s": init_s,
@@ -471,17 +513,26 @@ def print_sync_table(r: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"refit bench --path sync: {r['layout']}, {r['fleet']} fleet, {r['device']}")
-    for col, justify in (("path", "left"), ("median", "right"), ("p90", "right"), ("GB/s", "right"), ("note", "left")):
+    flat = r.get("flat_copy")
+    columns = [("path", "left"), ("median", "right"), ("p90", "right"), ("GB/s", "right")]
+    if flat:
+        columns.append(("/ flat copy", "right"))
+    for col, justify in [*columns, ("note", "left")]:
         table.add_column(col, justify=justify)
-    s, w = r["sync"], r["raw"]
-    table.add_row("sync_weights(), verify on", f"{s['median_s'] * 1e3:.1f} ms", f"{s['p90_s'] * 1e3:.1f} ms",
-                  f"{s['GBps']:.2f}", f"transfer phase {s['transfer_median_s'] * 1e3:.1f} ms")
-    table.add_row("raw transport, same plan", f"{w['median_s'] * 1e3:.1f} ms", f"{w['p90_s'] * 1e3:.1f} ms",
-                  f"{w['GBps']:.2f}", f"slowest rank's executor; round {w['round_median_s'] * 1e3:.1f} ms")
-    c = r["raw_checksummed"]
-    table.add_row("raw transport + checksums", f"{c['median_s'] * 1e3:.1f} ms", f"{c['p90_s'] * 1e3:.1f} ms",
-                  f"{c['GBps']:.2f}", "what verify adds to the transport")
-    table.add_row("sync / raw", f"{r['sync_over_raw']:.2f}x", "", "", "")
+
+    def row(label: str, fig: dict, note: str) -> None:
+        cells = [label, f"{fig['median_s'] * 1e3:.1f} ms", f"{fig['p90_s'] * 1e3:.1f} ms", f"{fig['GBps']:.2f}"]
+        if flat:
+            cells.append(f"{fig['median_s'] / flat['median_s']:.2f}x")
+        table.add_row(*cells, note)
+
+    s, w, c = r["sync"], r["raw"], r["raw_checksummed"]
+    row("sync_weights(), verify on", s, f"transfer phase {s['transfer_median_s'] * 1e3:.1f} ms")
+    row("raw transport, same plan", w, f"slowest rank's executor; round {w['round_median_s'] * 1e3:.1f} ms")
+    row("raw transport + checksums", c, "what verify adds to the transport")
+    if flat:
+        row("flat copy, same bytes", flat, f"the copy's limit on this placement ({flat['placement']})")
+    table.add_row("sync / raw", f"{r['sync_over_raw']:.2f}x", *[""] * (len(columns) - 1))
     if r["staged"]:
         table.add_row("switch (staged)", f"{r['switch_median_s'] * 1e3:.2f} ms",
                       f"max {r['switch_max_s'] * 1e3:.2f} ms", "",

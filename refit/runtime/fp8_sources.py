@@ -44,6 +44,7 @@ from refit.models.fp8 import (
 from refit.plan.quant import QUANTIZE_AT_PACK, QuantizationPlan, QuantizeOp, plan_quantization, scale_name
 from refit.transport.base import SourceProduction
 from refit.transport.casts import narrowing_casts
+from refit.transport.quantize_gpu import block_amax_one_pass, one_pass_ready, quantize_own_blocks, quantize_with_factors
 from refit.transport.quantized import merge_max
 
 __all__ = ["Quantization", "QuantizedSources", "plan_sources"]
@@ -97,6 +98,13 @@ class QuantizedSources:
         at pack, ``amax`` None) with the amaxes and scales of its own blocks made here."""
         p = self.params[name]
         blocks = self._blocks(p)
+        if one_pass_ready(x, self.fmt) and (p.mode == QUANTIZE_AT_PACK or blocks is not None):
+            # one Triton pass: each block read once, its weight (and own scale) written
+            if p.mode == QUANTIZE_AT_PACK:
+                quantize_own_blocks(x, self.weights[name], self.scales[p.scale], self.fmt)
+            else:
+                quantize_with_factors(x, factors_from_amax(amax[blocks], self.fmt), self.weights[name], self.fmt)
+            return
         amax_fn, quantize_fn = self._kernels(x)
         if p.mode == QUANTIZE_AT_PACK:
             own = amax_fn(x, self.fmt) if x.numel() else torch.zeros(self.scales[p.scale].shape, device=x.device)
@@ -109,8 +117,9 @@ class QuantizedSources:
             quantize_fn(self.weights[name], x, factors_from_amax(amax[blocks], self.fmt), self.fmt)
 
     # A shard that starts on a block boundary (most do: even TP, FSDP's dim-0 chunks of
-    # multiples of 128) is quantized in block-shaped views, two passes that torch.compile
-    # fuses on a GPU; any other takes the general path, which gathers a scale per element.
+    # multiples of 128) is quantized block by block: one Triton pass on a GPU
+    # (refit.transport.quantize_gpu), else block-shaped views of eager or compiled torch; any
+    # other takes the general path, which gathers a scale per element.
     def _blocks(self, p: QuantizeOp) -> tuple[slice, ...] | None:
         """The slice of the scale grid that ``p``'s shard covers, if it is one box starting on a block."""
         if any(len(intervals) != 1 for intervals in p.region):
@@ -129,7 +138,8 @@ class QuantizedSources:
             return partial_amax(x, p.region, p.shape, self.fmt)
         grid = torch.zeros(self.fmt.scale_shape(p.shape), dtype=torch.float32, device=x.device)
         if x.numel():
-            grid[blocks] = self._kernels(x)[0](x, self.fmt)
+            grid[blocks] = block_amax_one_pass(x, self.fmt) if one_pass_ready(x, self.fmt) \
+                else self._kernels(x)[0](x, self.fmt)
         return grid
 
     def _kernels(self, x: torch.Tensor):

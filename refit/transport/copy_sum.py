@@ -89,11 +89,11 @@ class CopySumBatch:
     device, in the form ``ChecksumLedger`` weights).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, sums: bool = True):
         self.device = torch.device(device)
+        self.summing = sums  # False: a grouped copy, no checksums
         self._streams: list[int] = []  # nbytes of each
         self._blocks: list[tuple[int, int, int, SideLayout, SideLayout | None]] = []  # stream, lo, nbytes, src, dst
-        self._keep: list[torch.Tensor] = []  # the views described: their memory must outlive the batch
         self._built = False
 
     def stream(self, nbytes: int) -> int:
@@ -118,13 +118,16 @@ class CopySumBatch:
             if d is None:
                 raise NotFusable(f"destination block {list(dst.shape)} {dst.dtype} is not runs of int64 words "
                                  "at one stride")
-            self._keep.append(dst)
-        self._keep.append(src)
         if nbytes:
             self._blocks.append((stream, int(lo), nbytes, s, d))
 
     def build(self) -> CopySumBatch:
-        """The descriptors and the tile table, on the device (once)."""
+        """The descriptors and the tile table, on the device (once).
+
+        The batch holds addresses, not tensors: its owner keeps the memory alive and makes a
+        new batch when the tensors change (a launch over freed memory reads or writes
+        whatever lives there now).
+        """
         rows = [-(-n // ROW) for n in self._streams]
         base = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         desc = np.zeros((len(self._blocks), 10), dtype=np.int64)
@@ -143,7 +146,7 @@ class CopySumBatch:
             if blocks:
                 self._tiles[short] = (torch.from_numpy(np.concatenate(blocks)).to(self.device),
                                       torch.from_numpy(np.concatenate(tile_rows)).to(self.device))
-        self._row_sums = torch.zeros(int(base[-1]), dtype=torch.int64, device=self.device)
+        self._row_sums = torch.zeros(int(base[-1]) if self.summing else 1, dtype=torch.int64, device=self.device)
         self._base = base
         self._built = True
         return self
@@ -157,12 +160,13 @@ class CopySumBatch:
         on the current stream."""
         if not self._built:
             self.build()
-        self._row_sums.zero_()
+        if self.summing:
+            self._row_sums.zero_()
         from refit.transport.triton_kernels import copy_sum_kernel
 
         for short, (tile_block, tile_row) in self._tiles.items():
             copy_sum_kernel[(tile_block.numel(),)](self._desc, tile_block, tile_row, self._row_sums, ROWS=TILE_ROWS,
-                                                   SHORT_RUNS=short)
+                                                   SHORT_RUNS=short, SUM=self.summing)
 
     def sums(self, stream: int) -> torch.Tensor:
         """The row sums of ``stream`` after a launch (a view: the next launch overwrites it)."""
@@ -172,4 +176,39 @@ class CopySumBatch:
         return self._streams[stream]
 
 
-__all__ = ["CopySumBatch", "NotFusable", "SideLayout", "fused_enabled", "interpreted", "side_layout"]
+_GROUPED_KEPT = 2  # grouped copies kept (the live and staging sets of the engines of this process)
+_grouped: dict[tuple, CopySumBatch] = {}
+
+
+def grouped_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copy every ``(destination, source)`` pair on one GPU that the kernel takes in one launch
+    (queued on the current stream); returns the pairs left for the caller to copy.
+
+    Copies of a few hundred tensors one by one ran at 0.65 of a flat copy on an H200; one
+    launch over all of them runs near the flat rate. The launch is built once per set of
+    tensors (their addresses) and kept for the next switch.
+    """
+    fused, rest = [], []
+    for d, s in pairs:
+        same = d.device == s.device and d.device.type == "cuda" and d.dtype == s.dtype and d.shape == s.shape
+        if same and fused_enabled(d.device) and side_layout(d) is not None and side_layout(s) is not None \
+                and (d.numel() * d.element_size()) % 8 == 0:
+            fused.append((d, s))
+        else:
+            rest.append((d, s))
+    if not fused:
+        return rest
+    key = tuple((side_layout(d), side_layout(s), d.numel() * d.element_size(), d.device) for d, s in fused)
+    batch = _grouped.get(key)
+    if batch is None:
+        batch = CopySumBatch(fused[0][0].device, sums=False)
+        for d, s in fused:
+            batch.add(batch.stream(s.numel() * s.element_size()), 0, s, d)
+        while len(_grouped) >= _GROUPED_KEPT:
+            _grouped.pop(next(iter(_grouped)))
+        _grouped[key] = batch = batch.build()
+    batch.launch()
+    return rest
+
+
+__all__ = ["CopySumBatch", "grouped_copy", "NotFusable", "SideLayout", "fused_enabled", "interpreted", "side_layout"]

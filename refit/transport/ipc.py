@@ -1091,6 +1091,7 @@ class IpcTransport(OneSidedTransport):
             return
         self._copies.pop(peer, None)
         self._graphs.pop(peer, None)
+        self._fused_recv.pop(peer, None)
         for m in p.mapped.values():
             if isinstance(m, _Segment):
                 m.close()
@@ -1145,7 +1146,8 @@ class IpcTransport(OneSidedTransport):
         self._closed = True
         for p in self._peers.values():
             p.close()
-        self._peers, self._copies, self._graphs = {}, {}, {}
+        self._peers, self._copies, self._graphs, self._fused_recv = {}, {}, {}, {}
+        self._fused_send = False
         self._keep, self._regions = {}, {}
         _IN_PROCESS.pop(self.name, None)
         self._drop_staging()

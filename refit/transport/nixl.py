@@ -68,7 +68,8 @@ from refit.comm.wire import register_record
 from refit.errors import PlanError, RefitAborted, RefitError, TransportError
 from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
-from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, pack_bucket, unpack_bucket
+from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, op_view, pack_bucket, unpack_bucket
+from refit.transport.copy_sum import CopySumBatch, NotFusable, fused_enabled
 from refit.transport.one_sided import OneSidedTransport
 
 __all__ = [
@@ -240,6 +241,49 @@ class _Remote:
     entry: NixlRosterEntry
 
 
+@dataclass
+class _FusedSlots:
+    """Buckets of one pair copied into or out of staging (or only read, in place) and summed, in one kernel."""
+
+    batch: CopySumBatch
+    streams: list[tuple[tuple[int, int], int, int]]  # (peer, bucket index), stream, nbytes
+
+    def record(self, ledger: ChecksumLedger, *, sent: bool) -> None:
+        for key, stream, nbytes in self.streams:
+            ledger.summed(key, self.batch.sums(stream), nbytes, sent=sent)
+
+
+def _fuse_slots(device: torch.device, slots: Sequence[_Slot], tensors: Mapping[str, torch.Tensor],
+                side: str) -> _FusedSlots | None:
+    """``slots`` as one fused batch: a staged bucket's blocks copied between their tensors and the
+    staging (the packed form, gaps summed as zeros), an in-place bucket only read; None when a
+    block casts or is not whole int64 words at one stride (those stay on pack / unpack)."""
+    batch, streams = CopySumBatch(device), []
+    try:
+        for s in slots:
+            b = s.bucket
+            if not b.nbytes:
+                continue
+            k = batch.stream(b.nbytes)
+            if s.staging is None:
+                view = direct_view(b, tensors, side)
+                if view is None:
+                    return None
+                batch.add(k, 0, view)
+            else:
+                buf = s.view()
+                for op, off in zip(b.ops, b.offsets):
+                    t = tensors[op.name][op.box.src_slices() if side == "src" else op.box.dst_slices()]
+                    wire = op_view(buf, op, off)
+                    if t.dtype != wire.dtype:
+                        return None
+                    batch.add(k, off, *((t, wire) if side == "src" else (wire, t)))
+            streams.append(((b.peer, b.index), k, b.nbytes))
+    except NotFusable:
+        return None
+    return _FusedSlots(batch.build(), streams)
+
+
 def _device_index(device: torch.device) -> int:
     return (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 0
 
@@ -298,6 +342,11 @@ class NixlTransport(OneSidedTransport):
             raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
         super().__init__(rank)
         self.agent_name = agent_name or f"refit-nixl-r{self.rank}-{uuid.uuid4().hex[:12]}"
+        # fused copies and checksums of this plan's staged and in-place buckets (GPU, verified
+        # refits): made when first used, None where a bucket cannot take them
+        self._fused: dict[tuple, _FusedSlots | None] = {}
+        self._fused_src: tuple = ()  # the source tensors the send batches describe
+        self._side_stream: Any = None
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
         self.chunk_bytes = int(chunk_bytes)
@@ -403,6 +452,7 @@ class NixlTransport(OneSidedTransport):
                 self._release_handles(peer)
         self._deregister(before - used)
         self._recv_descs = {}
+        self._fused: dict[tuple, _FusedSlots | None] = {}
         for peer, pair in self._recvs.items():
             for s in pair.slots:
                 addr = s.addr if s.staging is None else s.staging.data_ptr() + s.offset
@@ -636,6 +686,8 @@ class NixlTransport(OneSidedTransport):
                     if pair.slots and p not in failed}
         temps: list[int] = []
         unsummed: list[tuple[tuple[int, int], torch.Tensor]] = []  # direct sends, summed once all are posted
+        fused = ledger if cuda and ledger is not None and corrupt is None and fused_enabled(self.device) else None
+        side = self._sum_direct_sends(src, fused) if fused is not None else None
         last_probe = time.monotonic()
         idle = 0
 
@@ -665,7 +717,8 @@ class NixlTransport(OneSidedTransport):
                         progress += 1
                 if to_pack:
                     pair, chunk = to_pack.pop(0)
-                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, ledger, corrupt, temps, unsummed)))
+                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, ledger, corrupt, temps, unsummed,
+                                                                 fused)))
                     progress += 1
                 for item in list(queued):
                     pair, chunk, event = item
@@ -698,7 +751,7 @@ class NixlTransport(OneSidedTransport):
                             raise NixlHandshakeError(f"{self._where(seq)}: source rank {peer} wrote buckets "
                                                      f"[{lo}, {hi}) of the pair, which this rank does not expect "
                                                      "(again, or at all)")
-                        self._unpack(self._recvs[peer], lo, hi, dst, stats, ledger)
+                        self._unpack(self._recvs[peer], lo, hi, dst, stats, ledger, fused)
                         pending.difference_update(range(lo, hi))
                         if not pending:
                             del awaiting[peer]
@@ -727,6 +780,8 @@ class NixlTransport(OneSidedTransport):
             for key, buf in unsummed:
                 ledger.sent(key, buf)
             if cuda:
+                if side is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(side)
                 torch.cuda.current_stream(self.device).synchronize()
         finally:
             if temps:
@@ -774,11 +829,48 @@ class NixlTransport(OneSidedTransport):
                 f"{sorted(set(moved))[:8]} are not where they were registered; prepare() with the new tensors, then "
                 "relay local_roster_entry() with update_membership()")
 
+    def _fused_batch(self, key: tuple, slots: Sequence[_Slot], tensors, side: str) -> _FusedSlots | None:
+        if key not in self._fused:
+            self._fused[key] = _fuse_slots(self.device, slots, tensors, side) if slots else None
+        return self._fused[key]
+
+    def _sum_direct_sends(self, src, ledger: ChecksumLedger) -> Any:
+        """Launch the sums of every bucket sent from the tensor itself, on a side stream: the WRITEs
+        read those tensors meanwhile, so the sums run beside the wire, never ahead of it. Returns
+        the stream (None when nothing is summed there)."""
+        sig = tuple((n, t.data_ptr()) for n, t in sorted(src.items()))
+        if sig != self._fused_src:  # new source tensors: the send batches describe the old ones
+            self._fused = {k: v for k, v in self._fused.items() if k[0] == "unpack"}
+            self._fused_src = sig
+        direct = [s for p in self._sends.values() for s in p.slots if s.staging is None]
+        batch = self._fused_batch(("direct",), direct, src, "src")
+        if batch is None:
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side_stream):
+            batch.batch.launch()
+        batch.record(ledger, sent=True)
+        return self._side_stream
+
     def _pack_chunk(self, pair: _Pair, chunk: _Chunk, src, ledger: ChecksumLedger | None, corrupt, temps,
-                    unsummed: list):
+                    unsummed: list, fused: ChecksumLedger | None = None):
+        batch = None
+        if fused is not None:
+            staged = [s for s in pair.slots[chunk.lo: chunk.hi] if s.staging is not None]
+            batch = self._fused_batch(("pack", pair.peer, chunk.pos), staged, src, "src")
+            if batch is not None:
+                batch.batch.launch()  # pack and checksum in one pass
+                batch.record(fused, sent=True)
+        direct_summed = fused is not None and self._fused.get(("direct",)) is not None
         for s in pair.slots[chunk.lo: chunk.hi]:
             b = s.bucket
             if not b.nbytes:
+                continue
+            if s.staging is not None and batch is not None:
+                continue
+            if s.staging is None and direct_summed:
                 continue
             if s.staging is not None:
                 buf = pack_bucket(b, src, s.view(), ledger=ledger, key=(b.peer, b.index))
@@ -878,7 +970,16 @@ class NixlTransport(OneSidedTransport):
         return state
 
     def _unpack(self, pair: _Pair, lo: int, hi: int, dst, stats: TransferStats,
-                ledger: ChecksumLedger | None) -> None:
+                ledger: ChecksumLedger | None, fused: ChecksumLedger | None = None) -> None:
+        batch = self._fused_batch(("unpack", pair.peer, lo, hi), pair.slots[lo: hi], dst, "dst") \
+            if fused is not None else None
+        if batch is not None:
+            batch.batch.launch()  # unpack and checksum in one pass
+            batch.record(fused, sent=False)
+            for s in pair.slots[lo: hi]:
+                stats.bytes_received += s.bucket.nbytes
+                stats.buckets_received += 1
+            return
         for s in pair.slots[lo: hi]:
             b = s.bucket
             if s.staging is not None:

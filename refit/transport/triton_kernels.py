@@ -40,13 +40,14 @@ def _byte_offsets(p0, j8, run, stride, SHORT_RUNS: tl.constexpr):
 
 @triton.jit
 def copy_sum_kernel(desc_ptr, tile_block_ptr, tile_row_ptr, sums_ptr, ROWS: tl.constexpr,
-                    SHORT_RUNS: tl.constexpr):
+                    SHORT_RUNS: tl.constexpr, SUM: tl.constexpr):
     """One tile: ``ROWS`` rows of one block's checksum stream, copied (a block with a destination) and summed.
 
     A block sits at byte ``lo`` of its stream (a packed bucket, or the block alone); its
     words are read once, written once, and each row's int64 sum is added atomically into
     the stream's row sums (a row shared by two blocks gets both; a gap adds nothing), so
-    every word is summed exactly as ``torch.sum`` over the packed bytes sums it.
+    every word is summed exactly as ``torch.sum`` over the packed bytes sums it. Without
+    ``SUM`` it is a grouped copy: many tensors in one launch.
     """
     tile = tl.program_id(0)
     block = tl.load(tile_block_ptr + tile).to(tl.int64)
@@ -71,7 +72,8 @@ def copy_sum_kernel(desc_ptr, tile_block_ptr, tile_row_ptr, sums_ptr, ROWS: tl.c
     if dst_address != 0:
         dst = dst_address.to(tl.pointer_type(tl.int64))
         tl.store(dst + (_byte_offsets(p0, j8, dst_run, dst_stride, SHORT_RUNS) >> 3), words, mask=mask)
-    tl.atomic_add(sums_ptr + sums_base + rows, tl.sum(words, axis=1), mask=rows < rows_end, sem="relaxed")
+    if SUM:
+        tl.atomic_add(sums_ptr + sums_base + rows, tl.sum(words, axis=1), mask=rows < rows_end, sem="relaxed")
 
 
 
