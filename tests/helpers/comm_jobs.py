@@ -201,6 +201,9 @@ def split_and_abort(group) -> dict:
     t = torch.full((2,), float(group.rank))
     child.broadcast(t, src=0)
     out["child_broadcast"] = t.tolist()
+    # every rank's broadcast has returned before any rank aborts: an abort tears down what a
+    # slower rank's broadcast still reads
+    group.all_gather_object("broadcast done")
     order = []
     orig = child.abort
 
