@@ -22,8 +22,8 @@ from refit.models.fp8 import quantize_aligned
 from refit.models.specs import get_model
 from refit.plan.quant import BlockFp8
 from refit.transport.buckets import ChecksumLedger, flat_bytes
-from refit.transport.copy_sum import CopySumBatch, grouped_copy
-from refit.transport.quantize_gpu import quantize_own_blocks
+from refit.transport.copy_sum import CopySumBatch
+from refit.transport.quantize_gpu import GroupedQuantizer, QuantizeItem, quantize_own_blocks
 
 
 def timed(fn, iters: int = 10, warmup: int = 2) -> float:
@@ -101,15 +101,29 @@ def main() -> None:
     def fused_settled():
         fused.launch()
         ledger = ChecksumLedger()
-        ledger.summed_blocks((0, 0), [(fused.sums(k), fused.stream_bytes(k)) for k in streams], sent=False)
+        ledger.summed_blocks((0, 0), fused, streams, sent=False)
         ledger.settle()
     out["fused_copy_sum_s"] = timed(fused.launch)
     out["fused_copy_sum_settled_s"] = timed(fused_settled)
     out["sum_only_s"] = timed(read.launch)
+    sweep = {}
+    for rows in (2, 4, 8, 16):
+        for warps in (4, 8):
+            f2, r2 = CopySumBatch(dev, tile_rows=rows, num_warps=warps), CopySumBatch(dev, tile_rows=rows,
+                                                                                      num_warps=warps)
+            for s, d in pairs:
+                n = s.numel() * 2
+                f2.add(f2.stream(n), 0, s, d)
+                r2.add(r2.stream(n), 0, s)
+            f2.build()
+            r2.build()
+            sweep[f"{rows}x{warps}"] = (timed(f2.launch), timed(r2.launch))
+            del f2, r2
+    out["tile_sweep"] = sweep
     # the fused sums equal the unfused ones
     fused.launch()
     a, b = ChecksumLedger(), ChecksumLedger()
-    a.summed_blocks((0, 0), [(fused.sums(k), fused.stream_bytes(k)) for k in streams], sent=False)
+    a.summed_blocks((0, 0), fused, streams, sent=False)
     b.blocks((0, 0), [flat_bytes(s) for s, _ in pairs], sent=False)
     out["fused_sums_equal"] = a.settle() == b.settle()
     out["fused_copies_equal"] = all(torch.equal(s, d) for s, d in pairs)
@@ -120,14 +134,9 @@ def main() -> None:
     stagings = [torch.randn_like(t) for t in lives]
     out["switch_bytes"] = sum(t.numel() * 2 for t in lives)
     out["switch_per_tensor_s"] = timed(lambda: [t.copy_(s) for t, s in zip(lives, stagings)])
-    out["switch_grouped_s"] = timed(lambda: grouped_copy(list(zip(lives, stagings))))
     flat2 = torch.empty(out["switch_bytes"], dtype=torch.uint8, device=dev)
     flat3 = torch.empty_like(flat2)
     out["switch_flat_s"] = timed(lambda: flat3.copy_(flat2))
-    for t in lives:
-        t.zero_()
-    grouped_copy(list(zip(lives, stagings)))
-    out["switch_equal"] = all(torch.equal(t, s) for t, s in zip(lives, stagings))
 
     fmt = BlockFp8()
     qbytes = sum(x.numel() * 2 for x in linears)
@@ -140,6 +149,20 @@ def main() -> None:
         for x, q, s in zip(linears, outs, scales):
             quantize_own_blocks(x, q, s, fmt)
     out["quantize_one_pass_s"] = timed(one_pass)
+    grouped = GroupedQuantizer(fmt)
+    items = [QuantizeItem(x, q, s, True) for x, q, s in zip(linears, outs, scales)]
+    out["quantize_grouped_s"] = timed(lambda: grouped(items))
+
+    def host_then_gpu(fn):  # wall time including the host's launches (what a refit waits for)
+        import time as _t
+        fn()
+        torch.cuda.synchronize()
+        t0 = _t.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return _t.perf_counter() - t0
+    out["quantize_one_pass_wall_s"] = statistics.median(host_then_gpu(one_pass) for _ in range(5))
+    out["quantize_grouped_wall_s"] = statistics.median(host_then_gpu(lambda: grouped(items)) for _ in range(5))
     amax_c = torch.compile(__import__("refit.models.fp8", fromlist=["aligned_amax"]).aligned_amax)
     qc = torch.compile(__import__("refit.models.fp8", fromlist=["quantize_aligned_with"]).quantize_aligned_with)
     out["quantize_compiled_s"] = timed(lambda: [quantize_aligned(x, fmt, amax_fn=amax_c, quantize_fn=qc)
@@ -157,12 +180,14 @@ def main() -> None:
               "sum_only_s"):
         print(f"  {k:26} {out[k] * 1e3:8.2f} ms {gb / out[k]:8.0f} GB/s  {out['flat_copy_s'] / out[k]:.2f} of flat")
     print(f"  fused sums equal unfused: {out['fused_sums_equal']}, copies equal: {out['fused_copies_equal']}")
+    print("  tiles (rows x warps): fused copy+sum ms / sum only ms: " + ", ".join(
+        f"{k} {a * 1e3:.2f}/{b * 1e3:.2f}" for k, (a, b) in out["tile_sweep"].items()))
     sgb = out["switch_bytes"] / 1e9
-    for k in ("switch_flat_s", "switch_per_tensor_s", "switch_grouped_s"):
+    for k in ("switch_flat_s", "switch_per_tensor_s"):
         print(f"  {k:26} {out[k] * 1e3:8.2f} ms {sgb / out[k]:8.0f} GB/s  ({sgb:.2f} GB)")
-    print(f"  grouped switch copies equal: {out['switch_equal']}")
     qgb = qbytes / 1e9
-    for k in ("quantize_eager_s", "quantize_compiled_s", "quantize_one_pass_s"):
+    for k in ("quantize_eager_s", "quantize_compiled_s", "quantize_one_pass_s", "quantize_grouped_s",
+              "quantize_one_pass_wall_s", "quantize_grouped_wall_s"):
         print(f"  {k:26} {out[k] * 1e3:8.2f} ms {qgb / out[k]:8.0f} GB/s of bf16 in")
     print(f"  one-pass FP8 equals the eager quantizer: {out['quantize_equal']}")
 

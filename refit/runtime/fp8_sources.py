@@ -44,7 +44,7 @@ from refit.models.fp8 import (
 from refit.plan.quant import QUANTIZE_AT_PACK, QuantizationPlan, QuantizeOp, plan_quantization, scale_name
 from refit.transport.base import SourceProduction
 from refit.transport.casts import narrowing_casts
-from refit.transport.quantize_gpu import block_amax_one_pass, one_pass_ready, quantize_own_blocks, quantize_with_factors
+from refit.transport.quantize_gpu import GroupedQuantizer, QuantizeItem, block_amax_one_pass, one_pass_ready
 from refit.transport.quantized import merge_max
 
 __all__ = ["Quantization", "QuantizedSources", "plan_sources"]
@@ -63,6 +63,7 @@ class QuantizedSources:
                                              device=shards[op.name].device) for op in plan.ops}
         self.meshes = plan.merges()
         self._compiled = None
+        self._grouped = GroupedQuantizer(plan.fmt)
 
     def executor_tensors(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the executor sends from: the FP8 copies in place of the quantized params, and the scales."""
@@ -89,22 +90,32 @@ class QuantizedSources:
     def quantize_alone(self, local: Mapping[str, torch.Tensor]) -> int:
         """Amax and quantize every param from this rank's shards alone, without the merge: the
         kernels a refit runs, for a benchmark to time. Returns the bytes read (the shards')."""
-        for n, p in self.params.items():
-            self.quantize_param(n, local[n], None if p.mode == QUANTIZE_AT_PACK else self._partial_amax(local[n], p))
+        self.quantize_params([(n, local[n], None if p.mode == QUANTIZE_AT_PACK else self._partial_amax(local[n], p))
+                              for n, p in self.params.items()])
         return sum(local[n].numel() * local[n].element_size() for n in self.params)
+
+    def quantize_params(self, work: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> None:
+        """``quantize_param`` of each ``(name, shard, merged amax or None)``: those the one-pass kernel
+        takes in one grouped launch (one launch per shard cost more host time than the GPU took)."""
+        items, rest = [], []
+        for name, x, amax in work:
+            p = self.params[name]
+            blocks = self._blocks(p)
+            if one_pass_ready(x, self.fmt) and (p.mode == QUANTIZE_AT_PACK or blocks is not None):
+                own = p.mode == QUANTIZE_AT_PACK
+                grid = self.scales[p.scale] if own else factors_from_amax(amax[blocks], self.fmt).contiguous()
+                items.append(QuantizeItem(x, self.weights[name], grid, own))
+            else:
+                rest.append((name, x, amax))
+        self._grouped(items)
+        for name, x, amax in rest:
+            self.quantize_param(name, x, amax)
 
     def quantize_param(self, name: str, x: torch.Tensor, amax: torch.Tensor | None) -> None:
         """Write ``name``'s FP8 copy from its shard ``x``: given the merged amax grid, or (quantize
         at pack, ``amax`` None) with the amaxes and scales of its own blocks made here."""
         p = self.params[name]
         blocks = self._blocks(p)
-        if one_pass_ready(x, self.fmt) and (p.mode == QUANTIZE_AT_PACK or blocks is not None):
-            # one Triton pass: each block read once, its weight (and own scale) written
-            if p.mode == QUANTIZE_AT_PACK:
-                quantize_own_blocks(x, self.weights[name], self.scales[p.scale], self.fmt)
-            else:
-                quantize_with_factors(x, factors_from_amax(amax[blocks], self.fmt), self.weights[name], self.fmt)
-            return
         amax_fn, quantize_fn = self._kernels(x)
         if p.mode == QUANTIZE_AT_PACK:
             own = amax_fn(x, self.fmt) if x.numel() else torch.zeros(self.scales[p.scale].shape, device=x.device)
@@ -196,18 +207,18 @@ class Quantization(SourceProduction):
 
     def produce(self, names) -> bool:
         t0 = time.perf_counter()
-        made = False
+        work = []
         for name in names:
             if name not in self._waiting:
                 continue
             n = self._param_of[name]
             self._waiting.discard(n)
             self._waiting.discard(scale_name(n))
-            self.sources.quantize_param(n, self._local[n], self._merged.get(n))
+            work.append((n, self._local[n], self._merged.get(n)))
             self.made.append(n)
-            made = True
+        self.sources.quantize_params(work)
         self.beside_s += time.perf_counter() - t0
-        return made
+        return bool(work)
 
 
 def plan_sources(index: Any, rank: int, local: Mapping[str, torch.Tensor], *, block: tuple[int, int],

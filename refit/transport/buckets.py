@@ -10,7 +10,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import EllipsisType
+from typing import Protocol
 
 import torch
 
@@ -166,13 +168,6 @@ class _Summer:
         self.pieces = pieces
         self.sums = torch.empty(-(-nbytes // ROW), dtype=torch.int64, device=buf.device)
 
-    @classmethod
-    def of_row_sums(cls, sums: torch.Tensor, nbytes: int) -> _Summer:
-        """A span whose row sums are already taken (``refit.transport.copy_sum``, in the copy's pass)."""
-        summer = cls.__new__(cls)
-        summer.buf, summer.nbytes, summer.done, summer.pieces, summer.sums = None, nbytes, nbytes, False, sums
-        return summer
-
     def upto(self, end: int) -> None:
         """Sum the rows up to ``end`` (rounded down to a row, except at the bucket's end): every byte
         below ``end`` is final (packed, or arrived)."""
@@ -185,6 +180,43 @@ class _Summer:
         if not self.sums.numel():
             return torch.tensor(self.nbytes, dtype=torch.int64, device=self.sums.device)
         return 2 * self.sums.cumsum(0).sum() + self.sums.sum() + self.nbytes
+
+
+class SummedStreams(Protocol):
+    """Checksum streams whose rows a kernel summed while copying them (``refit.transport.copy_sum``)."""
+
+    device: torch.device
+
+    def stream_values(self) -> torch.Tensor:
+        """Every stream's checksum after the last launch, as ``_Summer.value`` gives it (int64, on the device)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class _StreamValue:
+    """One stream of a ``SummedStreams``: a checksum taken in the copy's pass, weighted at settle."""
+
+    batch: SummedStreams
+    stream: int
+
+
+def _stream_values(refs: list[_StreamValue]) -> dict[int, int]:
+    """id(ref) -> value, each batch's streams weighted on its device and all read with one synchronisation."""
+    batches = list({id(r.batch): r.batch for r in refs}.values())
+    if not batches:
+        return {}
+    by_device: dict[torch.device, list] = {}
+    for b in batches:
+        by_device.setdefault(b.device, []).append(b)
+    read: dict[int, list[int]] = {}
+    for group in by_device.values():
+        values = [b.stream_values() for b in group]
+        flat = torch.cat(values).tolist()
+        pos = 0
+        for b, v in zip(group, values):
+            read[id(b)] = flat[pos: pos + v.numel()]
+            pos += v.numel()
+    return {id(r): read[id(r.batch)][r.stream] for r in refs}
 
 
 def checksum_tensor(buf: torch.Tensor) -> torch.Tensor:
@@ -263,14 +295,14 @@ class ChecksumLedger:
             summers.append(summer)
         self._blocks.append((sent, key, summers))
 
-    def summed(self, key: tuple[int, int], row_sums: torch.Tensor, nbytes: int, *, sent: bool) -> None:
-        """The checksum of a packed bucket whose row sums were taken while copying it."""
-        (self._sent if sent else self._received).append((key, _Summer.of_row_sums(row_sums, nbytes)))
+    def summed(self, key: tuple[int, int], batch: SummedStreams, stream: int, *, sent: bool) -> None:
+        """The checksum of a packed bucket whose rows ``batch`` summed while copying it (its ``stream``)."""
+        (self._sent if sent else self._received).append((key, _StreamValue(batch, stream)))
 
-    def summed_blocks(self, key: tuple[int, int], blocks: list[tuple[torch.Tensor, int]], *, sent: bool) -> None:
-        """``blocks`` (the form of a bucket that is never packed) with each block's row sums taken
-        while copying it: ``(row sums, nbytes)`` per block, in bucket order."""
-        self._blocks.append((sent, key, [_Summer.of_row_sums(sums, n) for sums, n in blocks]))
+    def summed_blocks(self, key: tuple[int, int], batch: SummedStreams, streams: list[int], *, sent: bool) -> None:
+        """``blocks`` (the form of a bucket that is never packed) whose rows ``batch`` summed while
+        copying them: one stream per block, in bucket order."""
+        self._blocks.append((sent, key, [_StreamValue(batch, k) for k in streams]))
 
     def settle(self) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
         """Every checksum as host ints: (sent, received), each keyed (peer, bucket index).
@@ -281,11 +313,14 @@ class ChecksumLedger:
         launching their kernels one by one cost more than summing the bytes).
         """
         entries = self._sent + self._received + [(k, x) for _, k, xs in self._blocks for x in xs]
-        summers = list({id(s): s for _, s in entries}.values())  # a block sent to several peers: summed once
+        unique = list({id(s): s for _, s in entries}.values())  # a block sent to several peers: summed once
+        summers = [s for s in unique if isinstance(s, _Summer)]
+        refs = [s for s in unique if isinstance(s, _StreamValue)]
         values: list[int] = [0] * len(summers)
         by_device: dict[torch.device, list[int]] = {}
         for i, summer in enumerate(summers):
             by_device.setdefault(summer.sums.device, []).append(i)
+        value_of = _stream_values(refs)
         for device, idx in by_device.items():
             rows = [summers[i].sums.numel() for i in idx]
             sums = torch.cat([summers[i].sums for i in idx])
@@ -297,7 +332,7 @@ class ChecksumLedger:
             totals.index_add_(0, bucket, sums * weights)
             for i, v in zip(idx, totals.tolist()):
                 values[i] = v
-        value_of = {id(s): v for s, v in zip(summers, values)}
+        value_of.update({id(s): v for s, v in zip(summers, values)})
         sent = {k: value_of[id(s)] for k, s in self._sent}
         received = {k: value_of[id(s)] for k, s in self._received}
         for is_sent, key, block_summers in self._blocks:

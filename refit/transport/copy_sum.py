@@ -91,9 +91,9 @@ class CopySumBatch:
     device, in the form ``ChecksumLedger`` weights).
     """
 
-    def __init__(self, device: torch.device, *, sums: bool = True):
+    def __init__(self, device: torch.device, *, tile_rows: int = TILE_ROWS, num_warps: int = 4):
         self.device = torch.device(device)
-        self.summing = sums  # False: a grouped copy, no checksums
+        self.tile_rows, self.num_warps = tile_rows, num_warps
         self._streams: list[int] = []  # nbytes of each
         self._blocks: list[tuple[int, int, int, SideLayout, SideLayout | None]] = []  # stream, lo, nbytes, src, dst
         self._built = False
@@ -139,7 +139,7 @@ class CopySumBatch:
             d = d or SideLayout(0, CONTIGUOUS_RUN, 0)
             desc[i] = (s.address, d.address, lo, nbytes, s.run, s.stride, d.run, d.stride, base[stream], rows[stream])
             first, last = lo // ROW, (lo + nbytes - 1) // ROW
-            starts = np.arange(first, last + 1, TILE_ROWS, dtype=np.int64)
+            starts = np.arange(first, last + 1, self.tile_rows, dtype=np.int64)
             blocks, tile_rows = tiles[min(s.run, d.run) < ROW]
             blocks.append(np.full(len(starts), i, dtype=np.int32))
             tile_rows.append(starts)
@@ -149,7 +149,14 @@ class CopySumBatch:
             if blocks:
                 self._tiles[short] = (torch.from_numpy(np.concatenate(blocks)).to(self.device),
                                       torch.from_numpy(np.concatenate(tile_rows)).to(self.device))
-        self._row_sums = torch.zeros(int(base[-1]) if self.summing else 1, dtype=torch.int64, device=self.device)
+        self._row_sums = torch.zeros(int(base[-1]), dtype=torch.int64, device=self.device)
+        # row i of a stream of R rows weighs 2 (R - i) + 1 (refit.transport.buckets._Summer)
+        row_stream = np.repeat(np.arange(len(rows), dtype=np.int64), rows)
+        row_weight = 2 * (np.repeat(np.asarray(rows, dtype=np.int64), rows) - (np.arange(int(base[-1]))
+                                                                                 - base[row_stream])) + 1
+        self._row_stream = torch.from_numpy(row_stream).to(self.device)
+        self._row_weight = torch.from_numpy(row_weight).to(self.device)
+        self._stream_nbytes = torch.tensor(self._streams, dtype=torch.int64, device=self.device)
         self._base = base
         self._built = True
         return self
@@ -163,13 +170,16 @@ class CopySumBatch:
         on the current stream."""
         if not self._built:
             self.build()
-        if self.summing:
-            self._row_sums.zero_()
+        self._row_sums.zero_()
         from refit.transport.triton_kernels import copy_sum_kernel
 
         for short, (tile_block, tile_row) in self._tiles.items():
-            copy_sum_kernel[(tile_block.numel(),)](self._desc, tile_block, tile_row, self._row_sums, ROWS=TILE_ROWS,
-                                                   SHORT_RUNS=short, SUM=self.summing)
+            copy_sum_kernel[(tile_block.numel(),)](self._desc, tile_block, tile_row, self._row_sums,
+                                                   ROWS=self.tile_rows, SHORT_RUNS=short, num_warps=self.num_warps)
+
+    def stream_values(self) -> torch.Tensor:
+        """Every stream's checksum after the last launch (int64, on the device; two kernels for all)."""
+        return self._stream_nbytes.index_add(0, self._row_stream, self._row_sums * self._row_weight)
 
     def sums(self, stream: int) -> torch.Tensor:
         """The row sums of ``stream`` after a launch (a view: the next launch overwrites it)."""
@@ -179,39 +189,4 @@ class CopySumBatch:
         return self._streams[stream]
 
 
-_GROUPED_KEPT = 2  # grouped copies kept (the live and staging sets of the engines of this process)
-_grouped: dict[tuple, CopySumBatch] = {}
-
-
-def grouped_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copy every ``(destination, source)`` pair on one GPU that the kernel takes in one launch
-    (queued on the current stream); returns the pairs left for the caller to copy.
-
-    Copies of a few hundred tensors one by one ran at 0.65 of a flat copy on an H200; one
-    launch over all of them runs near the flat rate. The launch is built once per set of
-    tensors (their addresses) and kept for the next switch.
-    """
-    fused, rest = [], []
-    for d, s in pairs:
-        same = d.device == s.device and d.device.type == "cuda" and d.dtype == s.dtype and d.shape == s.shape
-        if same and fused_enabled(d.device) and side_layout(d) is not None and side_layout(s) is not None \
-                and (d.numel() * d.element_size()) % 8 == 0:
-            fused.append((d, s))
-        else:
-            rest.append((d, s))
-    if not fused:
-        return rest
-    key = tuple((side_layout(d), side_layout(s), d.numel() * d.element_size(), d.device) for d, s in fused)
-    batch = _grouped.get(key)
-    if batch is None:
-        batch = CopySumBatch(fused[0][0].device, sums=False)
-        for d, s in fused:
-            batch.add(batch.stream(s.numel() * s.element_size()), 0, s, d)
-        while len(_grouped) >= _GROUPED_KEPT:
-            _grouped.pop(next(iter(_grouped)))
-        _grouped[key] = batch = batch.build()
-    batch.launch()
-    return rest
-
-
-__all__ = ["CopySumBatch", "grouped_copy", "NotFusable", "SideLayout", "fused_enabled", "interpreted", "side_layout"]
+__all__ = ["CopySumBatch", "NotFusable", "SideLayout", "fused_enabled", "interpreted", "side_layout"]

@@ -474,8 +474,7 @@ class _FusedSums:
     def record(self, ledger: ChecksumLedger, *, sent: bool) -> None:
         """Give each bucket's row sums of the last launch to ``ledger`` (after the launch was queued)."""
         for b, streams in self.streams:
-            ledger.summed_blocks((b.peer, b.index), [(self.batch.sums(k), self.batch.stream_bytes(k))
-                                                     for k in streams], sent=sent)
+            ledger.summed_blocks((b.peer, b.index), self.batch, streams, sent=sent)
 
 
 def _fuse(device: torch.device, pairs: list[tuple[Bucket, list[tuple[torch.Tensor | None, torch.Tensor]]]]

@@ -249,8 +249,8 @@ class _FusedSlots:
     streams: list[tuple[tuple[int, int], int, int]]  # (peer, bucket index), stream, nbytes
 
     def record(self, ledger: ChecksumLedger, *, sent: bool) -> None:
-        for key, stream, nbytes in self.streams:
-            ledger.summed(key, self.batch.sums(stream), nbytes, sent=sent)
+        for key, stream, _ in self.streams:
+            ledger.summed(key, self.batch, stream, sent=sent)
 
 
 def _fuse_slots(device: torch.device, slots: Sequence[_Slot], tensors: Mapping[str, torch.Tensor],

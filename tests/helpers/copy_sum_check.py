@@ -55,11 +55,11 @@ def check_blocks(device: torch.device, gen: torch.Generator) -> None:
             d.zero_()
         batch.launch()
         fused, plain = ChecksumLedger(), ChecksumLedger()
-        fused.summed_blocks((1, 0), [(batch.sums(s), batch.stream_bytes(s)) for s in streams], sent=False)
+        fused.summed_blocks((1, 0), batch, streams, sent=False)
         plain.blocks((1, 0), [flat_bytes(src.contiguous()) for _, src, _ in pairs], sent=False)
         for (label, src, dst), s in zip(pairs, streams):
             one_f, one_p = ChecksumLedger(), ChecksumLedger()
-            one_f.summed((0, 0), batch.sums(s), batch.stream_bytes(s), sent=True)
+            one_f.summed((0, 0), batch, s, sent=True)
             one_p.summer((0, 0), flat_bytes(src.contiguous()), src.numel() * src.element_size(), sent=True).upto(
                 src.numel() * src.element_size())
             if one_f.settle() != one_p.settle():
@@ -91,7 +91,7 @@ def check_packed(device: torch.device, gen: torch.Generator) -> None:
     buf[gaps] = 0  # a packer zeroes its gaps; the kernel sums them as zeros either way
     batch.launch()
     fused, plain = ChecksumLedger(), ChecksumLedger()
-    fused.summed((0, 3), batch.sums(s), nbytes, sent=True)
+    fused.summed((0, 3), batch, s, sent=True)
     plain.summer((0, 3), buf, nbytes, sent=True).upto(nbytes)
     if fused.settle() != plain.settle():
         raise AssertionError(f"packed bucket: fused {fused.settle()} != unfused {plain.settle()}")

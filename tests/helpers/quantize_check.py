@@ -13,6 +13,8 @@ import torch
 from refit.models.fp8 import block_amax, factors_from_amax, quantize_reference
 from refit.plan.quant import BlockFp8
 from refit.transport.quantize_gpu import (
+    GroupedQuantizer,
+    QuantizeItem,
     block_amax_one_pass,
     one_pass_ready,
     quantize_own_blocks,
@@ -55,7 +57,34 @@ def main() -> None:
         if not torch.equal(q2.view(torch.uint8), q.view(torch.uint8)):
             raise AssertionError(f"{shape}: the given-factors pass differs from the own-blocks pass")
         print(f"{list(shape)} {dtype} {fmt.fmt} {fmt.block}: equal to quantize_reference")
+    check_grouped(device, gen)
     print("quantize: ok")
+
+
+def check_grouped(device: torch.device, gen: torch.Generator) -> None:
+    """Shards of several shapes in one grouped launch, own scales and given factors mixed."""
+    fmt = BlockFp8()
+    quantizer = GroupedQuantizer(fmt)
+    exact = device.type == "cuda"
+    shapes = [(256, 384), (300, 200), (2, 130, 260), (128, 128)]
+    xs = [(torch.randn(s, generator=gen) * 3).to(torch.bfloat16).to(device) for s in shapes]
+    want = [quantize_reference(x.cpu(), fmt) for x in xs]
+    outs = [torch.empty(s, dtype=torch.float8_e4m3fn if exact else torch.float32, device=device) for s in shapes]
+    grids = []
+    for i, x in enumerate(xs):
+        own = i % 2 == 0
+        grids.append(torch.empty(fmt.scale_shape(x.shape), dtype=torch.float32, device=device) if own
+                     else factors_from_amax(block_amax(x, fmt), fmt).contiguous())
+    items = [QuantizeItem(x, o, g, i % 2 == 0) for i, (x, o, g) in enumerate(zip(xs, outs, grids))]
+    for _ in range(2):  # the second launch reuses the tables
+        quantizer(items)
+    for i, (o, g, (wq, ws)) in enumerate(zip(outs, grids, want)):
+        q = o if exact else o.to(wq.dtype)
+        if not torch.equal(q.cpu().view(torch.uint8), wq.view(torch.uint8)):
+            raise AssertionError(f"grouped shard {i} {shapes[i]}: FP8 elements differ")
+        if i % 2 == 0 and not torch.equal(g.cpu(), ws):
+            raise AssertionError(f"grouped shard {i} {shapes[i]}: scales differ")
+    print(f"grouped launch of {len(items)} shards (own scales and given factors): equal to quantize_reference")
 
 
 if __name__ == "__main__":
