@@ -118,45 +118,5 @@ def block_quantize_kernel(x_ptr, q_ptr, grid_ptr, rows, cols, n_block_rows, n_bl
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def grouped_quantize_kernel(desc_ptr, tile_param_ptr, tile_block_ptr, fp8_max, min_amax, BR: tl.constexpr,
-                            BC: tl.constexpr, X_DTYPE: tl.constexpr, Q_DTYPE: tl.constexpr):
-    """``block_quantize_kernel`` over many shards in one launch: tile -> (shard, block) from tables.
-
-    A launch per shard cost the host more than the GPU took to quantize (an 8B model's rank has
-    a few hundred linear shards, and a launch from Python takes tens of microseconds). Each
-    shard's descriptor says whether its scales are made from its own blocks (written) or given
-    as factors (read from the same grid address): both are computed branch-free.
-    """
-    tile = tl.program_id(0)
-    param = tl.load(tile_param_ptr + tile).to(tl.int64)
-    block = tl.load(tile_block_ptr + tile).to(tl.int64)
-    d = desc_ptr + param * 8
-    x_ptr = tl.load(d + 0).to(tl.pointer_type(X_DTYPE))
-    q_ptr = tl.load(d + 1).to(tl.pointer_type(Q_DTYPE))
-    grid_ptr = tl.load(d + 2).to(tl.pointer_type(tl.float32))
-    rows = tl.load(d + 3)
-    cols = tl.load(d + 4)
-    n_block_rows = tl.load(d + 5)
-    n_block_cols = tl.load(d + 6)
-    own = tl.load(d + 7) != 0
-    per_lead = n_block_rows * n_block_cols
-    lead = block // per_lead
-    block_row = (block % per_lead) // n_block_cols
-    block_col = block % n_block_cols
-    r = block_row * BR + tl.arange(0, BR)
-    c = block_col * BC + tl.arange(0, BC)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    offs = lead * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    clamped = tl.maximum(amax, min_amax)
-    given = tl.load(grid_ptr + block)
-    factor = tl.where(own, tl.math.div_rn(fp8_max, clamped), given)
-    tl.store(grid_ptr + block, tl.math.div_rn(clamped, fp8_max), mask=own)
-    q = tl.minimum(tl.maximum(x * factor, -fp8_max), fp8_max)
-    tl.store(q_ptr + offs, q.to(Q_DTYPE), mask=mask)
-
-
 __all__ = ["AMAX_ONLY", "DESC_FIELDS", "QUANTIZE_OWN", "QUANTIZE_WITH_FACTORS", "block_quantize_kernel",
-           "copy_sum_kernel", "grouped_quantize_kernel"]
+           "copy_sum_kernel"]
