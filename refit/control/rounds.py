@@ -89,13 +89,14 @@ class RecoveryLimits:
 
 
 def died(p: Any) -> bool:
-    """Whether a finished call ended because its worker's process is gone."""
+    """Whether a finished call ended because its worker's process is gone (any other failure is
+    the worker's own)."""
     try:
         p.result(0)
     except WorkerDied:
         return True
-    except Exception:  # any other failure is the worker's own
-        return False
+    except Exception:  # a failure of the worker's own is not a death
+        pass
     return False
 
 
@@ -171,7 +172,7 @@ class Rounds:
         failures: dict[str, str] = {}
         errors: dict[str, BaseException] = {}
         kinds: dict[str, FailureKind] = {}
-        died: list[str] = []
+        dead: list[str] = []  # labels of members whose process is gone (not ``died``, the check)
         stalled = 0.0  # how much longer than asked the controller's own waits took
 
         def collect(ready: Sequence[Member]) -> None:
@@ -184,7 +185,7 @@ class Rounds:
                 except Exception as e:  # reported below with the worker's name
                     errors[m.label] = e
                     if isinstance(e, WorkerDied):
-                        died.append(m.label)
+                        dead.append(m.label)
                     elif (kind := failure_kind_of(e)) is not None:
                         kinds[m.label] = kind
                     failures[m.label] = brief(e)
@@ -213,7 +214,7 @@ class Rounds:
             # error blames the worker that died rather than every one still waiting for it
             for m, p in pending.items():
                 if m.label not in failures and (m.worker.is_dead() or (p.done() and died(p))):
-                    died.append(m.label)
+                    dead.append(m.label)
                     failures[m.label] = f"WorkerDied: {m.label} died"
             # what is still pending here did not answer (an answer landing after the collect is
             # as late as one that never came: the round is decided on what it had)
@@ -231,8 +232,8 @@ class Rounds:
                                         + (f" (the controller stalled {stalled:.1f}s)" if stalled > 0 else ""))
             return results
         if self.limits is not None:
-            self.limits.lose(died)
-        raise _round_failure(phase, failures, errors, kinds, died, timed_out, timeout_s, stalled)
+            self.limits.lose(dead)
+        raise _round_failure(phase, failures, errors, kinds, dead, timed_out, timeout_s, stalled)
 
     def request_all(self, members: Sequence[Member], call: EndpointCall) -> dict[Member, Any]:
         return self.request_each({m: call for m in members})
