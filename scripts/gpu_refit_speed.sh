@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one device call of verified and FP8 refits at copy speed on one GPU: the fused kernels checked
-# bit for bit and timed alone (scripts/kernel_bench.py), then `refit bench --path sync --device cuda`
+# bit for bit, the IPC executor's GPU tests, the kernels timed alone (scripts/kernel_bench.py), then `refit bench --path sync --device cuda`
 # on the 8B model (trainer TP2 -> 2 engine shards of TP1, a process per rank, all on the one GPU)
 # over IPC, NIXL, NIXL staged and NIXL into FP8 engines, each with the fused kernels (after) and
 # with REFIT_FUSED=0 (before: eager copies, checksums and quantizer). NIXL and msgpack wheels are
@@ -17,6 +17,9 @@ rc=0
   timeout 300 "$PY" "tests/helpers/$check.py" cuda > "$OUT/$check.log" 2>&1; r=$?; rc=$(( rc || r ))
   echo "$check rc=$r: $(tail -1 "$OUT/$check.log")"
 done
+# the IPC executor's GPU tests: fused and eager checksums equal, exact refits, a dead engine named
+[ "${FUSED:-1 0}" = 0 ] || { timeout -s INT -k 10 240 "$PY" -m pytest -q -m gpu tests/gpu/test_ipc_gpu.py -p no:cacheprovider \
+  > "$OUT/pytest_ipc_gpu.log" 2>&1; r=$?; rc=$(( rc || r )); echo "pytest -m gpu tests/gpu/test_ipc_gpu.py rc=$r: $(tail -1 "$OUT/pytest_ipc_gpu.log")"; }
 [ "${FUSED:-1 0}" = 0 ] || { timeout 300 "$PY" scripts/kernel_bench.py > "$OUT/kernel_bench.log" 2>&1; rc=$(( rc || $? )); }
 bench() {  # name, REFIT_FUSED, then the bench's flags
   local name=$1 fused=$2; shift 2

@@ -188,3 +188,38 @@ def test_ipc_synchronizer_with_a_process_per_rank():
         sync.shutdown()
         for w in [*trainers, *(e for s in engines for e in s)]:
             w.close()
+
+
+FUSABLE = {"world": WORLD, "bucket_bytes": 1 << 16, "params": [
+    # no casts, so the senders take the fused path too: strided destinations with runs shorter
+    # than a checksum row (384 B) and longer (4 KiB), and a contiguous one
+    {"name": "w", "shape": (256, 192), "seed": 6, "src_mesh": [0, 1], "src_pl": [S(0)], "src_dtype": "bfloat16",
+     "dst_mesh": [2, 3], "dst_pl": [S(1)], "dst_dtype": "bfloat16"},
+    {"name": "u", "shape": (96, 4096), "seed": 7, "src_mesh": [0, 1], "src_pl": [S(1)], "src_dtype": "bfloat16",
+     "dst_mesh": [2, 3], "dst_pl": [S(0)], "dst_dtype": "bfloat16"},
+    {"name": "v", "shape": (3, 1000), "seed": 8, "src_mesh": [2], "src_pl": [R()], "src_dtype": "float32",
+     "dst_mesh": [0, 1], "dst_pl": [S(0)], "dst_dtype": "float32"},
+]}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", [FUSABLE, CASES[1]], ids=["no casts", "casts and 2-d meshes"])
+def test_fused_and_eager_checksums_are_equal_bit_for_bit(procs, case):
+    """The same refits with every rank on the eager path (``REFIT_FUSED=0``): each rank sent and
+    received exactly the checksums of the fused run (a fused end and an eager end agree)."""
+    if procs.allocator != "caching":
+        pytest.skip("one allocator is enough")
+    members = list(range(WORLD))
+    _membership(procs, case, members, next(_epochs))
+    fused = {step: procs.ok(J.refit_step, step, replace_src=False) for step in (0, 1)}
+    with J.environment(REFIT_FUSED="0"):
+        eager_procs = J.Procs(WORLD)
+    with eager_procs:
+        _membership(eager_procs, case, members, next(_epochs))
+        eager = {step: eager_procs.ok(J.refit_step, step, replace_src=False) for step in (0, 1)}
+    for step in (0, 1):
+        J.check_refits(fused[step])
+        J.check_refits(eager[step])
+        for r in members:
+            assert fused[step][r]["sent"] == eager[step][r]["sent"], (step, r)
+            assert fused[step][r]["received"] == eager[step][r]["received"], (step, r)
