@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one device call of verified and FP8 refits at copy speed on one GPU: the fused kernels checked
-# bit for bit, the IPC executor's GPU tests, the kernels timed alone (scripts/kernel_bench.py), then `refit bench --path sync --device cuda`
-# on the 8B model (trainer TP2 -> 2 engine shards of TP1, a process per rank, all on the one GPU)
+# bit for bit, the IPC executor's GPU tests, the kernels timed alone (scripts/kernel_bench.py),
+# then `refit bench --path sync --device cuda` on the 8B model (trainer TP2 -> 2 engine shards of
+# TP1, a process per rank, all on the one GPU)
 # over IPC, NIXL, NIXL staged and NIXL into FP8 engines, each with the fused kernels (after) and
 # with REFIT_FUSED=0 (before: eager copies, checksums and quantizer). NIXL and msgpack wheels are
 # carried in .whl/. Prints the table last; JSON and logs go to $OUT.
