@@ -2,7 +2,7 @@
 
 Summing a bucket after copying it reads every byte a second time; on an H200 that pass,
 launched block by block, cost a verified refit more than twice the copy itself. Here a
-refit's blocks are described once, when the executor is made, and each refit is one launch
+plan's blocks are described once (at its first verified refit), and each refit is one launch
 of ``refit.transport.triton_kernels.copy_sum_kernel``: every word is read once, written once
 (when copying) and added to its 4 KiB row's sum. The row sums are the ones
 ``ChecksumLedger`` takes from the same bytes (int64 additions wrap the same in any order), so
