@@ -46,7 +46,7 @@ def load(name):
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}
 print(f"{'run':17} {'GB/step':>7} {'sync ms':>8} {'raw ms':>7} {'+cksum':>7} {'flat ms':>7} {'sync/raw':>8} "
-      f"{'sync/flat':>9} {'switch':>7} verified correct")
+      f"{'sync/flat':>9} {'switch':>7} {'buckets':>7} verified correct")
 rows = {}
 for tag in ("eager", "fused"):
     for run in ("ipc", "nixl", "nixl-fp8", "nixl-staged"):
@@ -60,7 +60,8 @@ for tag in ("eager", "fused"):
         print(f"{name:17} {r['bytes_per_step'] / 1e9:7.2f} {r['sync']['median_s'] * 1e3:8.1f} "
               f"{r['raw']['median_s'] * 1e3:7.1f} {r['raw_checksummed']['median_s'] * 1e3:7.1f} "
               f"{f['median_s'] * 1e3:7.1f} {r['sync_over_raw']:8.2f} {r['sync_over_flat'] or 0:9.2f} "
-              f"{'' if sw is None else f'{sw * 1e3:.1f}':>7} {str(r['verified']):8} {r['correct']}")
+              f"{'' if sw is None else f'{sw * 1e3:.1f}':>7} {r.get('buckets_per_step', 0):7} "
+              f"{str(r['verified']):8} {r['correct']}")
         q = r.get("quantize")
         if q:
             print(f"{'':17} quantize kernels alone {q['kernel_s'] * 1e3:.1f} ms, {q['kernel_GBps']:.0f} GB/s of bf16")

@@ -325,6 +325,7 @@ class RawStep:
     round_s: float  # the calls' wall time from here, controller dispatch included
     bytes: int
     quantize: list  # per trainer rank quantizing to FP8: its report (host seconds ahead of and beside the wire)
+    buckets: int  # buckets received over all ranks (counted where checksums are: verified steps)
 
 
 def timed_sync(sync) -> SyncStep:
@@ -340,7 +341,8 @@ def timed_raw(sync, timeout_s: float, verify: bool = False) -> RawStep:
     calls = {r: w.request(transfer) for r, w in sync.workers.items()}
     reports = [p.result(timeout_s) for p in calls.values()]
     return RawStep(max(r.seconds for r in reports), time.perf_counter() - t0,
-                   sum(r.bytes_received for r in reports), [r.quantize for r in reports if r.quantize])
+                   sum(r.bytes_received for r in reports), [r.quantize for r in reports if r.quantize],
+                   sum(len(r.received) for r in reports))
 
 
 def spread(values: list[float], nbytes: int) -> dict:
@@ -493,6 +495,7 @@ def run_sync_bench(args) -> dict:
         "hidden": model.hidden_size, "tensors": model.num_tensors, "params": model.num_params,
         "dtype": dtypes[0], "dst_dtype": dtypes[1], "bytes_per_step": nbytes, "warmup": args.warmup,
         "iters": args.iters, "sync": sync_fig, "raw": raw_fig, "raw_checksummed": checked_fig,
+        "buckets_per_step": checked[0].buckets,
         "sync_over_raw": sync_fig["median_s"] / raw_fig["median_s"],
         # the limit of this placement: a flat copy of the step's bytes (GPU only)
         "flat_copy": flat, "sync_over_flat": sync_fig["median_s"] / flat["median_s"] if flat else None,
