@@ -96,7 +96,7 @@ class QuantizedSources:
 
     def quantize_params(self, work: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> None:
         """``quantize_param`` of each ``(name, shard, merged amax or None)``: those the one-pass kernel
-        takes in one grouped launch (one launch per shard cost more host time than the GPU took)."""
+        takes go to ``GroupedQuantizer`` together, which works out their launches once per set."""
         items, rest = [], []
         for name, x, amax in work:
             p = self.params[name]

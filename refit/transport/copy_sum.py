@@ -87,8 +87,8 @@ class CopySumBatch:
 
     A stream is the bytes one checksum covers: a packed bucket (its blocks at their offsets,
     gaps zero) or a block alone. Build the batch once; each ``launch`` runs one kernel on
-    the current stream, and ``sums(stream)`` is that stream's row sums afterwards (on the
-    device, in the form ``ChecksumLedger`` weights).
+    the current stream, and ``stream_values()`` is every stream's checksum afterwards (on the
+    device; ``ChecksumLedger.summed`` reads it at settle).
     """
 
     def __init__(self, device: torch.device, *, tile_rows: int = TILE_ROWS, num_warps: int = 4):
@@ -161,10 +161,6 @@ class CopySumBatch:
         self._built = True
         return self
 
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, _, n, _, _ in self._blocks)
-
     def launch(self) -> None:
         """Copy and sum every block: one kernel (two when some runs are shorter than a row), queued
         on the current stream."""
@@ -180,13 +176,6 @@ class CopySumBatch:
     def stream_values(self) -> torch.Tensor:
         """Every stream's checksum after the last launch (int64, on the device; two kernels for all)."""
         return self._stream_nbytes.index_add(0, self._row_stream, self._row_sums * self._row_weight)
-
-    def sums(self, stream: int) -> torch.Tensor:
-        """The row sums of ``stream`` after a launch (a view: the next launch overwrites it)."""
-        return self._row_sums[int(self._base[stream]): int(self._base[stream + 1])]
-
-    def stream_bytes(self, stream: int) -> int:
-        return self._streams[stream]
 
 
 __all__ = ["CopySumBatch", "NotFusable", "SideLayout", "fused_enabled", "interpreted", "side_layout"]

@@ -246,10 +246,10 @@ class _FusedSlots:
     """Buckets of one pair copied into or out of staging (or only read, in place) and summed, in one kernel."""
 
     batch: CopySumBatch
-    streams: list[tuple[tuple[int, int], int, int]]  # (peer, bucket index), stream, nbytes
+    streams: list[tuple[tuple[int, int], int]]  # (peer, bucket index), its stream
 
     def record(self, ledger: ChecksumLedger, *, sent: bool) -> None:
-        for key, stream, _ in self.streams:
+        for key, stream in self.streams:
             ledger.summed(key, self.batch, stream, sent=sent)
 
 
@@ -278,7 +278,7 @@ def _fuse_slots(device: torch.device, slots: Sequence[_Slot], tensors: Mapping[s
                     if t.dtype != wire.dtype:
                         return None
                     batch.add(k, off, *((t, wire) if side == "src" else (wire, t)))
-            streams.append(((b.peer, b.index), k, b.nbytes))
+            streams.append(((b.peer, b.index), k))
     except NotFusable:
         return None
     return _FusedSlots(batch.build(), streams)
@@ -452,7 +452,7 @@ class NixlTransport(OneSidedTransport):
                 self._release_handles(peer)
         self._deregister(before - used)
         self._recv_descs = {}
-        self._fused: dict[tuple, _FusedSlots | None] = {}
+        self._fused = {}
         for peer, pair in self._recvs.items():
             for s in pair.slots:
                 addr = s.addr if s.staging is None else s.staging.data_ptr() + s.offset
