@@ -11,10 +11,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refit.engines.vllm.extension import new_key, open_sealed, seal
+from refit.engines.vllm.served import PROBE_COLUMNS, probe_columns
 from refit.engines.vllm.shard_tensor import CheckpointShard, as_checkpoint_tensor
 from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout, choose_receive_mode
 from refit.errors import InconsistentWeights, LayoutError, RefitError
 from refit.layout import Shard, chunk_bounds, shard_slices
+
+
+@settings(max_examples=300, deadline=None)
+@given(width=st.integers(1, 1 << 20), salt=st.integers(0, 1 << 40))
+def test_a_served_check_probes_the_same_number_of_columns_every_refit(width, salt):
+    """A kernel builds its primitives per number of probe rows: a count that moved with the refit would
+    rebuild them inside some refits' checks."""
+    cols = probe_columns(width, salt)
+    assert len(cols) == min(width, PROBE_COLUMNS) == len(set(cols))
+    assert cols == sorted(cols) and cols[0] == 0 and cols[-1] == width - 1
 
 
 @settings(max_examples=60, deadline=None)

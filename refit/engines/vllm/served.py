@@ -33,6 +33,7 @@ listed as unchecked rather than compared with the wrong thing.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -81,6 +82,7 @@ class ServedReport:
     mismatches: list[LayerMismatch] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    seconds_by_kind: dict[str, float] = field(default_factory=dict)
 
     def raise_if_mismatched(self, label: str) -> None:
         if not self.mismatches:
@@ -94,7 +96,8 @@ class ServedReport:
 
     def as_dict(self) -> dict:
         return {"checked": self.checked, "mismatches": [m.__dict__ for m in self.mismatches],
-                "unchecked": list(self.unchecked), "seconds": self.seconds}
+                "unchecked": list(self.unchecked), "seconds": self.seconds,
+                "seconds_by_kind": dict(self.seconds_by_kind)}
 
 
 # -- the module graph ------------------------------------------------------------------------
@@ -208,11 +211,22 @@ def _row_map(module: torch.nn.Module, d: Destination, tp_rank: int) -> tuple[sli
     return slice(a - s0, b - s0), slice(a - g0, b - g0)
 
 
-def _probe_columns(width: int, salt: int) -> list[int]:
-    """First, last and a few columns that move from refit to refit (a permuted column shows in time)."""
+def probe_columns(width: int, salt: int) -> list[int]:
+    """First, last and a few columns that move from refit to refit (a permuted column shows in time).
+
+    Always ``min(width, PROBE_COLUMNS)`` of them: a kernel builds its primitives once per
+    number of input rows, so a count that changed with the salt would rebuild them on
+    some refits, tens of milliseconds each on a small host.
+    """
+    count = min(width, PROBE_COLUMNS)
     spread = max(1, width // PROBE_COLUMNS)
     start = (salt * 2654435761) % width
-    return sorted({0, width - 1, *((start + i * spread + i * i) % width for i in range(PROBE_COLUMNS - 2))})
+    cols = dict.fromkeys([0, width - 1, *((start + i * spread + i * i) % width for i in range(PROBE_COLUMNS - 2))])
+    step = start
+    while len(cols) < count:  # collisions: fill from the moving start
+        cols.setdefault(step % width)
+        step += 1
+    return sorted(cols)
 
 
 def _first_difference(actual: torch.Tensor, expected: torch.Tensor) -> str:
@@ -229,16 +243,26 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """Run the probes on one CPU thread: each is a few rows, and waking a thread pool for each of
-    them costs milliseconds on a busy host (7 ms for a 4 x 2 x 128 batched matmul on two threads,
-    0.02 ms on one). The engine is between two steps, so nothing else computes meanwhile."""
+def _quiet_host():
+    """Run the probes on one CPU thread with the garbage collector held.
+
+    Each probe is a few rows, and waking a thread pool for each of them costs milliseconds
+    on a busy host (7 ms for a 4 x 2 x 128 batched matmul on two threads, 0.02 ms on one).
+    A collection that the check's small allocations trigger walks the whole engine's heap,
+    several milliseconds in a vLLM worker, longer than the check. The engine is between two
+    steps, so nothing else computes meanwhile.
+    """
     threads = torch.get_num_threads()
+    collecting = gc.isenabled()
     if threads > 1:
         torch.set_num_threads(1)
+    if collecting:
+        gc.disable()
     try:
         yield
     finally:
+        if collecting:
+            gc.enable()
         if threads > 1:
             torch.set_num_threads(threads)
 
@@ -278,20 +302,16 @@ class ServedCheck:
         self._probes: dict[tuple, tuple[list[int], torch.Tensor]] = {}
         self.warmup_s = 0.0
 
-    def warm_up(self) -> None:
-        """Run every layer's kernel once on its probe, results dropped, so no refit pays their first calls.
+    def warm_up(self, received: Mapping[str, torch.Tensor]) -> None:
+        """One whole check against ``received`` (whatever the buffers hold at connect), report dropped.
 
         A kernel's first call on a new shape builds its primitives (oneDNN's for a few-row
-        input: tens of milliseconds on a small host); at connect that costs nothing a refit waits for.
+        input: tens of milliseconds on a small host), and so do the first slicing, comparing
+        and reference matmuls of the check itself; at connect that costs nothing a refit
+        waits for. Buffers that hold no weights yet only make the dropped report disagree.
         """
         t0 = time.perf_counter()
-        with torch.no_grad(), _one_thread():
-            for layer in self._layers:
-                if layer.kind in ("linear", "output head"):
-                    self._linear(layer, None, 0)
-                elif layer.kind == "experts":
-                    self._experts(layer, None, 0)
-        self._probes = {}
+        self.run(received, salt=0)
         self.warmup_s = time.perf_counter() - t0
 
     def _plan(self) -> list[_Layer]:
@@ -340,14 +360,17 @@ class ServedCheck:
         t0 = time.perf_counter()
         self._probes = {}
         report = ServedReport()
-        with torch.no_grad(), _one_thread():
+        with torch.no_grad(), _quiet_host():
             for layer in self._layers:
                 if layer.kind == "unchecked":
                     report.unchecked.append(f"{layer.name} ({layer.why_unchecked})")
                     continue
                 report.checked += 1
                 check = getattr(self, "_" + layer.kind.replace(" ", "_"))
+                t1 = time.perf_counter()
                 report.mismatches.extend(check(layer, received, salt))
+                report.seconds_by_kind[layer.kind] = (report.seconds_by_kind.get(layer.kind, 0.0)
+                                                      + time.perf_counter() - t1)
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -357,7 +380,7 @@ class ServedCheck:
         """Rows of the identity at the probed columns (and a row of zeros, which gives the bias alone)."""
         key = (width, dtype, device, salt, with_zero_row)
         if key not in self._probes:
-            cols = _probe_columns(width, salt)
+            cols = probe_columns(width, salt)
             probe = torch.zeros(len(cols) + with_zero_row, width, dtype=dtype, device=device)
             probe[torch.arange(len(cols)), torch.tensor(cols)] = 1
             self._probes[key] = cols, probe
@@ -413,7 +436,7 @@ class ServedCheck:
         out = []
         for m in layer.members:
             buf = received[m.destination.name][m.buffer_rows]
-            picks = _probe_columns(buf.shape[0], salt)
+            picks = probe_columns(buf.shape[0], salt)
             ids = torch.tensor([m.live_rows.start + i for i in picks], device=layer.device)
             actual = layer.module.quant_method.embedding(layer.module, ids).to(buf.device)
             expected = buf[picks]

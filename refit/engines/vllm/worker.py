@@ -115,14 +115,14 @@ class VllmWorkerEndpoint(EngineEndpoint):
         self.check_served = bool(check_served)
         self.reprocess_shared = bool(reprocess_shared)
         self.last_served: ServedReport | None = None
-        self._served_check = ServedCheck(model, self.destinations, tp_rank=tp_rank)
-        if self.check_served:
-            self._served_check.warm_up()
         self.reprocessed: list[str] = []  # layers re-processed because they share a loaded parameter
         if self.receive_mode == "direct":
             self._views, self._loadable = self._direct_views(), {}
         else:
             self._views, self._loadable = self._loader_buffers()
+        self._served_check = ServedCheck(model, self.destinations, tp_rank=tp_rank)
+        if self.check_served:
+            self._served_check.warm_up(self._views)
 
     # -- destinations -----------------------------------------------------------------
     def _loader_buffers(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -132,7 +132,7 @@ class VllmWorkerEndpoint(EngineEndpoint):
         for d in self.destinations:
             mesh = np.asarray(d.mesh)
             slices = shard_slices(d.global_shape, mesh.shape, mesh_coords_of(mesh, self.tp_rank), d.placements)
-            buf = torch.empty(d.local_shape, dtype=d.dtype, device=self.device)
+            buf = torch.zeros(d.local_shape, dtype=d.dtype, device=self.device)
             buffers[d.name] = buf
             loadable[d.name] = as_checkpoint_tensor(buf, d.global_shape, slices, d.name)
         return buffers, loadable
