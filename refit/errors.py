@@ -57,3 +57,20 @@ class LateCall(TransportError):
 class CastOverflowWarning(UserWarning):
     """Source values beyond their destination dtype's range were cast anyway (they land as inf,
     NaN or wrapped); pass ``strict_casts=True`` to refuse such a transfer instead."""
+
+
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first line of ``e``'s message (its type's name when it has none), cut at ``limit`` characters.
+
+    A message that quotes another error takes only its first line: a traceback or a tensor
+    printed whole in a peer's error would bury the names of the ranks the caller needs.
+    """
+    lines = str(e).strip().splitlines()
+    return lines[0][:limit] if lines else type(e).__name__
+
+
+def error_summary(e: BaseException, limit: int | None = None) -> str:
+    """``Type: first line`` of ``e``, for a message that wraps an error of another type."""
+    line = first_line(e, limit)
+    return line if line == type(e).__name__ else f"{type(e).__name__}: {line}"
+

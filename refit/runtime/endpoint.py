@@ -28,7 +28,7 @@ import torch
 from refit.comm.base import wait_for_listener
 from refit.comm.group import StatelessProcessGroup, free_port
 from refit.comm.rendezvous import RendezvousTampered
-from refit.errors import LateCall, LayoutError, PlanError, RefitError, TransportError
+from refit.errors import LateCall, LayoutError, PlanError, RefitError, TransportError, error_summary, first_line
 from refit.layout import dtype_name
 from refit.plan import (
     DEFAULT_BUCKET_BYTES,
@@ -55,7 +55,7 @@ from refit.transport.factory import COMMUNICATOR, Channels, TransportChoice
 from refit.transport.ipc import node_id, sweep_stale_segments
 from refit.transport.one_sided import RosterEntries
 
-__all__ = ["RefitEndpointBase", "TrainerEndpoint", "first_line"]
+__all__ = ["RefitEndpointBase", "TrainerEndpoint"]
 
 MODES = ("reshard", "broadcast")
 
@@ -411,7 +411,7 @@ class RefitEndpointBase:
             except Exception as e:  # re-raised below, without the broken group
                 failure = (RefitAborted if isinstance(e, RefitAborted) else TransportError,
                            f"{self._refit_label()}: refit transfer failed (epoch {epoch}): "
-                           f"{type(e).__name__}: {first_line(e)}")
+                           f"{error_summary(e)}")
             if failure is None:
                 self._refit_transfer_landed(epoch)
                 return TransferReport(st.spec.rank, stats.bytes_sent, stats.bytes_received, stats.local_bytes,
@@ -591,8 +591,3 @@ class TrainerEndpoint(RefitEndpointBase):
 
     def _refit_tensors(self) -> dict[str, LocalShard]:
         return dict(self.refit_sources())
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from refit.errors import InconsistentWeights, RefitError
-from refit.runtime.endpoint import RefitEndpointBase, first_line
+from refit.errors import InconsistentWeights, RefitError, error_summary
+from refit.runtime.endpoint import RefitEndpointBase
 from refit.runtime.protocol import CommitReadiness
 from refit.runtime.shards import LocalShard, as_local_shard
 from refit.runtime.weights_state import Staging, allocate_staging, copy_staged_into_live
@@ -177,7 +177,7 @@ class EngineEndpoint(RefitEndpointBase):
         except BaseException as e:
             if self._refit_in_place():  # the verified bytes are in place, but the engine could not take them
                 self.mark_weights_inconsistent(f"loading the verified weights of epoch {st.loaded_epoch} failed: "
-                                               f"{type(e).__name__}: {first_line(e)}")
+                                               f"{error_summary(e)}")
             raise
         with w.serving:
             w.committed_epoch, w.commits, w.version = st.loaded_epoch, w.commits + 1, version

@@ -34,7 +34,7 @@ import torch
 
 from refit.comm.group import StatelessProcessGroup, as_communicator
 from refit.comm.wire import register_record
-from refit.errors import LayoutError, PlanError, RefitError, TransportError
+from refit.errors import LayoutError, PlanError, RefitError, TransportError, error_summary
 from refit.layout import (
     dtype_name,
     local_tensor_of,
@@ -343,7 +343,7 @@ def confirm_finished(comm, what: str) -> None:
         confirm() if confirm is not None else comm.barrier()
         return
     except Exception as e:  # raised below, naming the ranks that did not finish
-        failure = _first_line(e)
+        failure = error_summary(e)
     missing = "some peer"
     if store is not None:
         done = str(count).encode()
@@ -423,10 +423,6 @@ def _entry(role: str, name: str, value: Any) -> tuple[Any, Any, Any]:
         raise PlanError(f"{role}[{name!r}]: expected a tensor, a DTensorRef or a DTensor, got {type(t).__name__}")
     return value[0], value[1], value[2]
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class Resharder:
@@ -531,7 +527,7 @@ class Resharder:
             stats.cast_overflows = overflows
             return stats
         except Exception as e:  # re-raised below, once this rank's connections are closed
-            failure = _first_line(e)
+            failure = error_summary(e)
         finally:
             if not self.closed:
                 group.set_deadline(None)
@@ -615,7 +611,7 @@ class Resharder:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
-            self.abort(_first_line(exc))
+            self.abort(error_summary(exc))
         else:
             self.close()
 

@@ -81,6 +81,7 @@ class Row:
     max_abs_logprob_diff: float
     tokens_equal: bool
     check_share: float  # the served check's seconds over the sync's, the slowest worker
+    check_cpu_share: float  # the CPU seconds of that check over the sync's wall seconds
     tokens: tuple[int, ...] = ()
     reference_tokens: tuple[int, ...] = ()
     refused: bool = False
@@ -107,14 +108,14 @@ ROWS: list[Row] = []
 
 def _table(rows: list[Row]) -> str:
     head = (f"{'family':<12} {'engine':<8} {'refit':>5} {'max |dlogprob|':>15} {'tokens equal':>13} "
-            f"{'check cost':>11}")
+            f"{'check wall':>11} {'check cpu':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.refused:
-            lines.append(f"{r.family:<12} {r.engine:<8} {'-':>5} {'refused':>15} {'-':>13} {'-':>11}")
+            lines.append(f"{r.family:<12} {r.engine:<8} {'-':>5} {'refused':>15} {'-':>13} {'-':>11} {'-':>10}")
             continue
         lines.append(f"{r.family:<12} {r.engine:<8} {r.refit:>5} {r.max_abs_logprob_diff:>15.3e} "
-                     f"{str(r.tokens_equal):>13} {r.check_share:>10.1%}")
+                     f"{str(r.tokens_equal):>13} {r.check_share:>10.1%} {r.check_cpu_share:>9.1%}")
     return "\n".join(lines)
 
 
@@ -123,7 +124,8 @@ def matrix_table():
     yield
     if ROWS:
         print("\nvLLM model matrix (prompt log-probabilities and greedy tokens against Hugging Face, fp32; "
-              "check cost: the served check's share of sync_weights())")
+              "check wall / cpu: the served check's wall and CPU seconds over sync_weights()'s wall seconds, "
+              "the slowest worker)")
         print(_table(ROWS))
 
 
@@ -143,13 +145,15 @@ def _moe_share(config, tp: int) -> int:
     return total
 
 
-def _served_share(fleet: VllmFleet, shard: int, refits: int, sync_s: float) -> float:
-    """Every worker's served check ran after this refit and found nothing; its slowest share of the sync."""
+def _served_share(fleet: VllmFleet, shard: int, refits: int, sync_s: float) -> tuple[float, float]:
+    """Every worker's served check ran after this refit and found nothing; the slowest's wall and CPU shares of
+    the sync (engines here share two cores, so a check's wall time holds slices other workers ran)."""
     workers = fleet.engines[shard].call("receive_modes").result(120)
     for w in workers:
         assert w["loads"] == refits and w["served"] is not None, w
         assert w["served"]["checked"] > 0 and w["served"]["mismatches"] == [], w["served"]
-    return max(w["served"]["seconds"] for w in workers) / sync_s
+    slowest = max(workers, key=lambda w: w["served"]["seconds"])["served"]
+    return slowest["seconds"] / sync_s, slowest["cpu_seconds"] / sync_s
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.family for c in CASES])
@@ -167,11 +171,11 @@ def test_refits_serve_what_hugging_face_computes(case: Case):
                 if case.family == "qwen3-moe":  # each worker its exact share of the experts, nothing more
                     assert result.bytes == sum(tp * _moe_share(config, tp) for tp in case.engine_tp), result
                 for shard, name in enumerate(_engine_names(case)):
-                    share = _served_share(fleet, shard, refit, result.seconds)
+                    share, cpu_share = _served_share(fleet, shard, refit, result.seconds)
                     got = fleet.check_engine(shard, PROMPT, reference)
                     rows.append(Row(case.family, name, refit, got["max_abs_logprob_diff"],
-                                    list(got["tokens"]) == got["reference_tokens"], share, tuple(got["tokens"]),
-                                    tuple(got["reference_tokens"])))
+                                    list(got["tokens"]) == got["reference_tokens"], share, cpu_share,
+                                    tuple(got["tokens"]), tuple(got["reference_tokens"])))
         finally:
             sync.shutdown()
             ROWS.extend(rows)
@@ -186,7 +190,7 @@ def test_an_expert_parallel_moe_engine_is_refused_by_name_when_it_connects():
     message = str(info.value)
     assert "Qwen3MoeForCausalLM: refit cannot serve this model with expert parallelism" in message, message
     assert "mlp.experts" in message and "global expert ids" in message, message
-    ROWS.append(Row("qwen3-moe", "ep2", 0, float("nan"), False, float("nan"), refused=True))
+    ROWS.append(Row("qwen3-moe", "ep2", 0, float("nan"), False, float("nan"), float("nan"), refused=True))
 
 
 def test_a_worker_that_would_not_rebuild_an_experts_kernel_refuses_by_the_kernel_not_the_model_name():

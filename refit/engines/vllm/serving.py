@@ -33,7 +33,7 @@ from typing import Any
 
 from refit.engines.vllm.engine import TEARDOWN_GRACE_S, VllmEngineHost
 from refit.engines.vllm.extension import EXTENSION, REQUESTS
-from refit.errors import InconsistentWeights, RefitError
+from refit.errors import InconsistentWeights, RefitError, first_line
 from refit.runtime.protocol import Commit, EndpointCall, Transfer
 
 __all__ = ["REFIT_MODES", "VllmServingHost", "median_gap", "token_gaps"]
@@ -155,7 +155,7 @@ class VllmServingHost(VllmEngineHost):
                     # a load that fails part way leaves some layers new
                     failed = next(value for ok, value in out if not ok)
                     self._incomplete = True
-                    self._reason = f"refit commit failed: {_first_line(failed)}"
+                    self._reason = f"refit commit failed: {first_line(failed)}"
                 return out
             out = self._batch(REQUESTS, calls)
             if self._paused_at is not None and not all(ok for ok, _ in out):
@@ -373,7 +373,3 @@ def _raise_failed(answer: tuple[bool, Any]) -> Any:
         raise value
     return value
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else ""

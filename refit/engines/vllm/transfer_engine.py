@@ -84,7 +84,7 @@ from refit.comm.rendezvous import OpenStore, RendezvousTampered, SealedStore, bi
 from refit.control.errors import RefitWorkerError
 from refit.control.verify import RankChecksums, verify_checksums
 from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout
-from refit.errors import RefitError
+from refit.errors import RefitError, error_summary
 from refit.plan import DEFAULT_BUCKET_BYTES
 from refit.runtime.build import PlanOptions, connect_and_prepare
 from refit.runtime.endpoint import TrainerEndpoint
@@ -254,11 +254,6 @@ class _SourceEndpoint(TrainerEndpoint):
         return self.source.shards()
 
 
-def _first_line(e: BaseException, limit: int = 400) -> str:
-    text = str(e).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(e).__name__}: {line[:limit]}"
-
 
 def _call_key(step: int) -> str:
     return f"refit-api/call/{step}"
@@ -308,7 +303,7 @@ class TransferHub:
             if listener is not None:
                 listener.close()
             raise RefitWorkerError(f"refit weight transfer: cannot {'host' if host else 'reach'} the hub at "
-                                   f"{address}:{port}: {_first_line(e)}", phase="init",
+                                   f"{address}:{port}: {error_summary(e, 400)}", phase="init",
                                    timed_out=[] if host else [HUB_HOST]) from None
         if listener is not None:
             listener.detach()  # the store owns the socket now
@@ -354,7 +349,7 @@ class TransferHub:
         except _HubLost:
             raise
         except Exception as e:  # the host is gone
-            raise _HubLost(_first_line(e)) from None
+            raise _HubLost(error_summary(e, 400)) from None
 
     def read(self, key: str) -> Any:
         try:
@@ -362,19 +357,19 @@ class TransferHub:
         except RendezvousTampered:
             raise
         except Exception as e:
-            raise _HubLost(_first_line(e)) from None
+            raise _HubLost(error_summary(e, 400)) from None
 
     def add(self, key: str, amount: int) -> int:
         try:
             return self._live().add(key, amount)
         except Exception as e:
-            raise _HubLost(_first_line(e)) from None
+            raise _HubLost(error_summary(e, 400)) from None
 
     def present(self, keys: list[str]) -> bool:
         try:
             return self._live().check(keys)
         except Exception as e:
-            raise _HubLost(_first_line(e)) from None
+            raise _HubLost(error_summary(e, 400)) from None
 
     def wait_for(self, keys: list[str], until: float) -> bool:
         """Whether every key is there by ``until`` (polled: a store wait that times out is not cancellable)."""
@@ -469,7 +464,7 @@ class _Party:
             failure = e
         what = "weight update" if transfer else "init"
         outcome = {"epoch": build.epoch, "intact": self._has_group(), "report": report,
-                   "error": None if failure is None else _first_line(failure)}
+                   "error": None if failure is None else error_summary(failure, 400)}
         keys = {r: _outcome_key(step, r) for r in range(self.seat.world_size)}
         try:
             self.hub.publish(keys[self.seat.rank], outcome)
@@ -582,7 +577,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         try:
             call()
         except Exception as e:  # said on the hub and raised by the trainer ranks
-            error = _first_line(e, 2000)
+            error = error_summary(e, 2000)
             logger.error("refit weight transfer, %s: %s", self.party.label, e)
         self.last_error = error
         try:
@@ -723,7 +718,7 @@ class RefitTrainerWeightTransferEngine(TrainerWeightTransferEngine[RefitTrainerI
             engine_error = (f"the vLLM engines did not answer within {self.info.timeout_s + ENGINE_GRACE_S:g}s; "
                             "restart the engine if they never do")
         elif failure:
-            engine_error = f"the vLLM engines failed: {_first_line(failure[0], 2000)}"
+            engine_error = f"the vLLM engines failed: {error_summary(failure[0], 2000)}"
         else:  # vLLM answered: every worker said on the hub how its part ended
             said = self._workers_said(step)
             if said:
