@@ -262,7 +262,8 @@ def test_fp8_weights_are_planned_from_their_fp8_copies_so_whole_blocks_go_in_pla
         dst = [RosterEntry.make("col", big, "float8_e4m3fn", [2], [Replicate()], "dst"),
                RosterEntry.make("row", big, row_dtype, [2], [Replicate()], "dst"),
                RosterEntry.make("plain", big, "float8_e4m3fn", [2], [Replicate()], "dst")]
-        dst += [RosterEntry.make(f"{n}_scale_inv", (2, 4), "float32", [2], [Replicate()], "dst") for n in ("col", "row")]
+        dst += [RosterEntry.make(f"{n}_scale_inv", (2, 4), "float32", [2], [Replicate()], "dst")
+                for n in ("col", "row")]
         return group_roster(dst, fp8_block=(128, 128))
 
     index = merge_rosters({**src, 2: engine()}, 3)
