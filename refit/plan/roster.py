@@ -415,13 +415,18 @@ def derive_scale_sources(rosters: Mapping[int, Iterable[RosterEntry | RosterGrou
     whole blocks of it (``refit.plan.quant.scale_placements``: each rank then makes the
     scales of its own blocks alone), and otherwise replicated (the ranks merge the block
     amaxes, so each holds the whole grid). Names are read once per distinct group.
+
+    ``X`` itself is then sourced in its FP8 dtype (when every engine of it wants that one
+    dtype): its source ranks send the FP8 copies they make, never a cast of their bf16.
     """
     rosters = {r: group_roster(v) for r, v in rosters.items()}
     seen: set[tuple[str, str]] = set()
     sources: dict[str, RosterGroup] = {}
     source_shapes: dict[str, tuple[int, ...]] = {}
     fp8_blocks: dict[str, set] = defaultdict(set)  # FP8 weight -> the blocks its engines said (None: unsaid)
+    dst_dtypes: dict[str, set] = defaultdict(set)  # FP8 weight -> every dtype its engines want it in
     scale_wants: dict[str, tuple[int, ...]] = {}
+    dst_groups = []
     for groups in rosters.values():
         for g in groups:
             if (g.role, g.digest) in seen:
@@ -430,17 +435,26 @@ def derive_scale_sources(rosters: Mapping[int, Iterable[RosterEntry | RosterGrou
             if g.role == "src":
                 sources.update(dict.fromkeys(g.names, g))
                 source_shapes.update(zip(g.names, g.shapes))
-            elif g.dtype.startswith("float8"):
-                for n in g.names:
-                    fp8_blocks[n].add(None if g.block is None else tuple(g.block))
             else:
-                scale_wants.update((n, sh) for n, sh in zip(g.names, g.shapes) if n.endswith(SCALE_SUFFIX))
+                dst_groups.append(g)
+                if g.dtype.startswith("float8"):
+                    for n in g.names:
+                        fp8_blocks[n].add(None if g.block is None else tuple(g.block))
+                else:
+                    scale_wants.update((n, sh) for n, sh in zip(g.names, g.shapes) if n.endswith(SCALE_SUFFIX))
+    for g in dst_groups:
+        for n in g.names:
+            if n in fp8_blocks:
+                dst_dtypes[n].add(g.dtype)
     derived: dict[int, list[RosterEntry]] = {}
+    quantized: dict[str, str] = {}  # FP8 weight -> the FP8 dtype its source ranks send it in
     for name, shape in sorted(scale_wants.items()):
         weight = name[: -len(SCALE_SUFFIX)]
         src = sources.get(weight)
         if name in sources or weight not in fp8_blocks or src is None:
             continue
+        if len(dst_dtypes[weight]) == 1 and _quantizable(src.dtype):
+            quantized[weight] = next(iter(dst_dtypes[weight]))
         mesh = np.asarray(src.mesh)
         placements = None
         blocks = fp8_blocks[weight]
@@ -450,9 +464,35 @@ def derive_scale_sources(rosters: Mapping[int, Iterable[RosterEntry | RosterGrou
         placements = list(placements) if placements is not None else [Replicate()] * mesh.ndim
         for r in (int(x) for x in mesh.reshape(-1)):
             derived.setdefault(r, []).append(RosterEntry.make(name, shape, "float32", mesh.tolist(), placements, "src"))
+    if quantized:
+        rosters = {r: [h for g in groups for h in _sourced_quantized(g, quantized)] for r, groups in rosters.items()}
     for r, entries in derived.items():
         rosters[r] = [*rosters.get(r, []), *group_roster(entries)]
     return rosters
+
+
+def _quantizable(dtype: str) -> bool:
+    """Whether a source in ``dtype`` is quantized to block-scaled FP8 (bf16, fp16 or fp32)."""
+    return dtype in ("bfloat16", "float16", "float32")
+
+
+def _sourced_quantized(group: RosterGroup, quantized: Mapping[str, str]) -> list[RosterGroup]:
+    """A source group with the weights that leave their ranks quantized split off, in their FP8 dtype.
+
+    The source ranks send those weights from FP8 copies they make themselves, so the planner
+    must see FP8 on both ends. Planned as a cast from bf16 instead, no block of theirs could
+    be sent straight from the copy into the engine's tensor (a cast is never in place): every
+    one went through staging buffers on both ends.
+    """
+    if group.role != "src" or not any(n in quantized for n in group.names):
+        return [group]
+    parts: dict[str, tuple[list[str], list[tuple[int, ...]]]] = {}
+    for n, shape in zip(group.names, group.shapes):
+        names, shapes = parts.setdefault(quantized.get(n, group.dtype), ([], []))
+        names.append(n)
+        shapes.append(shape)
+    return [RosterGroup.make(names, shapes, dtype, group.mesh, group.placements, "src")
+            for dtype, (names, shapes) in sorted(parts.items())]
 
 
 def merge_rosters(rosters: Mapping[int, Iterable[RosterEntry | RosterGroup]], world_size: int) -> ParamIndex:

@@ -64,6 +64,11 @@ class QuantizedSources:
         self.meshes = plan.merges()
         self._compiled = None
         self._grouped = GroupedQuantizer(plan.fmt)
+        # per param: its slice of the scale grid (None: not one box from a block's start), worked out once
+        self._block_slices = {op.name: self._blocks(op) for op in plan.ops}
+        # merged params' factors, written in place at every refit: the grouped launches then read
+        # the same addresses each time and replay as one captured graph
+        self._factors: dict[str, torch.Tensor] = {}
 
     def executor_tensors(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What the executor sends from: the FP8 copies in place of the quantized params, and the scales."""
@@ -100,10 +105,10 @@ class QuantizedSources:
         items, rest = [], []
         for name, x, amax in work:
             p = self.params[name]
-            blocks = self._blocks(p)
+            blocks = self._block_slices[name]
             if one_pass_ready(x, self.fmt) and (p.mode == QUANTIZE_AT_PACK or blocks is not None):
                 own = p.mode == QUANTIZE_AT_PACK
-                grid = self.scales[p.scale] if own else factors_from_amax(amax[blocks], self.fmt).contiguous()
+                grid = self.scales[p.scale] if own else self._factors_of(name, amax[blocks])
                 items.append(QuantizeItem(x, self.weights[name], grid, own))
             else:
                 rest.append((name, x, amax))
@@ -111,11 +116,19 @@ class QuantizedSources:
         for name, x, amax in rest:
             self.quantize_param(name, x, amax)
 
+    def _factors_of(self, name: str, amax: torch.Tensor) -> torch.Tensor:
+        """``name``'s per-block factors from its merged amaxes, in a buffer kept for the build."""
+        factors = factors_from_amax(amax, self.fmt)
+        buf = self._factors.get(name)
+        if buf is None or buf.shape != factors.shape or buf.device != factors.device:
+            buf = self._factors[name] = torch.empty(factors.shape, dtype=torch.float32, device=factors.device)
+        return buf.copy_(factors)
+
     def quantize_param(self, name: str, x: torch.Tensor, amax: torch.Tensor | None) -> None:
         """Write ``name``'s FP8 copy from its shard ``x``: given the merged amax grid, or (quantize
         at pack, ``amax`` None) with the amaxes and scales of its own blocks made here."""
         p = self.params[name]
-        blocks = self._blocks(p)
+        blocks = self._block_slices[name]
         amax_fn, quantize_fn = self._kernels(x)
         if p.mode == QUANTIZE_AT_PACK:
             own = amax_fn(x, self.fmt) if x.numel() else torch.zeros(self.scales[p.scale].shape, device=x.device)
@@ -144,7 +157,7 @@ class QuantizedSources:
                 slice(cols[0] // bc, -(-cols[1] // bc)))
 
     def _partial_amax(self, x: torch.Tensor, p: QuantizeOp) -> torch.Tensor:
-        blocks = self._blocks(p)
+        blocks = self._block_slices[p.name]
         if blocks is None:
             return partial_amax(x, p.region, p.shape, self.fmt)
         grid = torch.zeros(self.fmt.scale_shape(p.shape), dtype=torch.float32, device=x.device)

@@ -342,8 +342,8 @@ class NixlTransport(OneSidedTransport):
             raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
         super().__init__(rank)
         self.agent_name = agent_name or f"refit-nixl-r{self.rank}-{uuid.uuid4().hex[:12]}"
-        # fused copies and checksums of this plan's staged and in-place buckets (GPU, verified
-        # refits): made when first used, None where a bucket cannot take them
+        # fused copies (and, verified, checksums) of this plan's staged and in-place buckets on a
+        # GPU: made when first used, None where a bucket cannot take them
         self._fused: dict[tuple, _FusedSlots | None] = {}
         self._fused_src: tuple = ()  # the source tensors the send batches describe
         self._side_stream: Any = None
@@ -686,7 +686,11 @@ class NixlTransport(OneSidedTransport):
                     if pair.slots and p not in failed}
         temps: list[int] = []
         unsummed: list[tuple[tuple[int, int], torch.Tensor]] = []  # direct sends, summed once all are posted
-        fused = ledger if cuda and ledger is not None and corrupt is None and fused_enabled(self.device) else None
+        # on a GPU a chunk packs and unpacks in one kernel, verified or not; verified, it sums in the same pass
+        fusing = cuda and corrupt is None and fused_enabled(self.device)
+        fused = ledger if fusing and ledger is not None else None
+        if fusing:
+            self._check_fused_src(src)
         side = self._sum_direct_sends(src, fused) if fused is not None else None
         last_probe = time.monotonic()
         idle = 0
@@ -718,7 +722,7 @@ class NixlTransport(OneSidedTransport):
                 if to_pack:
                     pair, chunk = to_pack.pop(0)
                     queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, ledger, corrupt, temps, unsummed,
-                                                                 fused)))
+                                                                 fused, fusing=fusing)))
                     progress += 1
                 for item in list(queued):
                     pair, chunk, event = item
@@ -751,7 +755,7 @@ class NixlTransport(OneSidedTransport):
                             raise NixlHandshakeError(f"{self._where(seq)}: source rank {peer} wrote buckets "
                                                      f"[{lo}, {hi}) of the pair, which this rank does not expect "
                                                      "(again, or at all)")
-                        self._unpack(self._recvs[peer], lo, hi, dst, stats, ledger, fused)
+                        self._unpack(self._recvs[peer], lo, hi, dst, stats, ledger, fused, fusing=fusing)
                         pending.difference_update(range(lo, hi))
                         if not pending:
                             del awaiting[peer]
@@ -834,14 +838,17 @@ class NixlTransport(OneSidedTransport):
             self._fused[key] = _fuse_slots(self.device, slots, tensors, side) if slots else None
         return self._fused[key]
 
+    def _check_fused_src(self, src) -> None:
+        """Drop the send batches when the source tensors are not those they describe."""
+        sig = tuple((n, t.data_ptr()) for n, t in sorted(src.items()))
+        if sig != self._fused_src:
+            self._fused = {k: v for k, v in self._fused.items() if k[0] == "unpack"}
+            self._fused_src = sig
+
     def _sum_direct_sends(self, src, ledger: ChecksumLedger) -> Any:
         """Launch the sums of every bucket sent from the tensor itself, on a side stream: the WRITEs
         read those tensors meanwhile, so the sums run beside the wire, never ahead of it. Returns
         the stream (None when nothing is summed there)."""
-        sig = tuple((n, t.data_ptr()) for n, t in sorted(src.items()))
-        if sig != self._fused_src:  # new source tensors: the send batches describe the old ones
-            self._fused = {k: v for k, v in self._fused.items() if k[0] == "unpack"}
-            self._fused_src = sig
         direct = [s for p in self._sends.values() for s in p.slots if s.staging is None]
         batch = self._fused_batch(("direct",), direct, src, "src")
         if batch is None:
@@ -855,14 +862,18 @@ class NixlTransport(OneSidedTransport):
         return self._side_stream
 
     def _pack_chunk(self, pair: _Pair, chunk: _Chunk, src, ledger: ChecksumLedger | None, corrupt, temps,
-                    unsummed: list, fused: ChecksumLedger | None = None):
+                    unsummed: list, fused: ChecksumLedger | None = None, *, fusing: bool = False):
+        """Pack one chunk's staged buckets: on a GPU (``fusing``) in one kernel, whose sums ``fused``
+        records when the refit is verified; unverified, the copies alone matter. A chunk packed op
+        by op launches a copy per block, and the launches, not HBM, then bound an unverified refit."""
         batch = None
-        if fused is not None:
+        if fusing:
             staged = [s for s in pair.slots[chunk.lo: chunk.hi] if s.staging is not None]
             batch = self._fused_batch(("pack", pair.peer, chunk.pos), staged, src, "src")
             if batch is not None:
-                batch.batch.launch()  # pack and checksum in one pass
-                batch.record(fused, sent=True)
+                batch.batch.launch()  # pack (and checksum) in one pass
+                if fused is not None:
+                    batch.record(fused, sent=True)
         direct_summed = fused is not None and self._fused.get(("direct",)) is not None
         for s in pair.slots[chunk.lo: chunk.hi]:
             b = s.bucket
@@ -970,12 +981,20 @@ class NixlTransport(OneSidedTransport):
         return state
 
     def _unpack(self, pair: _Pair, lo: int, hi: int, dst, stats: TransferStats,
-                ledger: ChecksumLedger | None, fused: ChecksumLedger | None = None) -> None:
-        batch = self._fused_batch(("unpack", pair.peer, lo, hi), pair.slots[lo: hi], dst, "dst") \
-            if fused is not None else None
+                ledger: ChecksumLedger | None, fused: ChecksumLedger | None = None, *, fusing: bool = False) -> None:
+        """Unpack the buckets ``[lo, hi)`` that landed from ``pair``'s peer: on a GPU (``fusing``) in one
+        kernel, which verified also sums the buckets that landed in place; unverified, only the staged
+        buckets are copied (reading the in-place ones would be a pass over HBM for nothing)."""
+        batch = None
+        if fusing and fused is not None:
+            batch = self._fused_batch(("unpack", pair.peer, lo, hi), pair.slots[lo: hi], dst, "dst")
+        elif fusing:
+            staged = [s for s in pair.slots[lo: hi] if s.staging is not None]
+            batch = self._fused_batch(("unpack", pair.peer, lo, hi, "copies"), staged, dst, "dst")
         if batch is not None:
-            batch.batch.launch()  # unpack and checksum in one pass
-            batch.record(fused, sent=False)
+            batch.batch.launch()  # unpack (and checksum) in one pass
+            if fused is not None:
+                batch.record(fused, sent=False)
             for s in pair.slots[lo: hi]:
                 stats.bytes_received += s.bucket.nbytes
                 stats.buckets_received += 1

@@ -184,7 +184,7 @@ def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0,
     if t is None and transport == "ipc":
         t = _S["transport"] = IpcTransport(rank, device=dev, timeout_s=timeout_s, verify=True)
     if t is None:
-        t = _S["transport"] = NixlTransport(rank, device="cpu", timeout_s=timeout_s, verify=True,
+        t = _S["transport"] = NixlTransport(rank, device=dev, timeout_s=timeout_s, verify=True,
                                             chunk_bytes=chunk_bytes or case.get("chunk_bytes", 1 << 20),
                                             direct=direct)
     src, want = _slices(case, rank, 0, members)
@@ -213,12 +213,13 @@ def install(group, roster, epoch):
     return {"collectives": collectives() - before, "epoch": t.epoch}
 
 
-def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, freeze_s=0.0):
+def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, freeze_s=0.0, verify=None):
     """One refit of the installed plan with the data of ``step``; check every destination.
 
     ``fault="die"``: this rank's process exits at once, in the middle of the refit (its
     peers are already in it). ``replace_src``: give new source tensors (default: every
-    other step) instead of writing into the registered ones.
+    other step) instead of writing into the registered ones. ``verify``: the transport's own
+    setting (None), or this refit's.
     """
     from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
@@ -250,7 +251,7 @@ def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, fre
     t0 = time.monotonic()
     try:
         with RefitAbortWatchdog([t], timeout_s):
-            stats = t.run(src, dst)
+            stats = t.run(src, dst, verify=verify)
     except RefitAborted as e:
         return {"rank": rank, "error": "RefitAborted", "message": str(e), "elapsed": time.monotonic() - t0,
                 "collectives": collectives() - before,

@@ -14,6 +14,7 @@ from refit.models.fp8 import block_amax, factors_from_amax, quantize_reference
 from refit.plan.quant import BlockFp8
 from refit.transport.quantize_gpu import (
     GroupedQuantizer,
+    LaunchGraphs,
     QuantizeItem,
     block_amax_one_pass,
     one_pass_ready,
@@ -58,6 +59,7 @@ def main() -> None:
             raise AssertionError(f"{shape}: the given-factors pass differs from the own-blocks pass")
         print(f"{list(shape)} {dtype} {fmt.fmt} {fmt.block}: equal to quantize_reference")
     check_grouped(device, gen)
+    check_replay(device, gen)
     print("quantize: ok")
 
 
@@ -85,6 +87,81 @@ def check_grouped(device: torch.device, gen: torch.Generator) -> None:
         if i % 2 == 0 and not torch.equal(g.cpu(), ws):
             raise AssertionError(f"grouped shard {i} {shapes[i]}: scales differ")
     print(f"grouped launch of {len(items)} shards (own scales and given factors): equal to quantize_reference")
+
+
+class CountingGraphs(LaunchGraphs):
+    """On a GPU real CUDA graphs, counted; on the CPU a stand-in whose replay runs the captured
+    launches (no graphs there), so the choice between replay and eager launches is checked alike."""
+
+    def __init__(self, fail: bool = False):
+        self.captures, self.replays, self.fail = 0, 0, fail
+
+    def capture(self, device, launch):
+        self.captures += 1
+        if self.fail:
+            return None
+        replay = super().capture(device, launch) if device.type == "cuda" else launch
+        if replay is None:
+            raise AssertionError("the launches could not be captured as a CUDA graph")
+
+        def counted():
+            self.replays += 1
+            replay()
+        return counted
+
+
+def check_replay(device: torch.device, gen: torch.Generator) -> None:
+    """A set of shards runs eagerly first, is captured at its second call and replayed from then on,
+    with the bits of the reference for inputs rewritten in place between calls; tensors at other
+    addresses (or of another shape) run eagerly, and a set whose capture failed is never replayed."""
+    fmt = BlockFp8()
+    exact = device.type == "cuda"
+    out_dtype = torch.float8_e4m3fn if exact else torch.float32
+    shapes = [(256, 384), (2, 130, 260)]
+    xs = [torch.empty(s, dtype=torch.bfloat16, device=device) for s in shapes]
+    outs = [torch.empty(s, dtype=out_dtype, device=device) for s in shapes]
+    grids = [torch.empty(fmt.scale_shape(s), dtype=torch.float32, device=device) for s in shapes]
+    graphs = CountingGraphs()
+    quantizer = GroupedQuantizer(fmt, graphs)
+
+    def refit(items, xs, outs, grids):
+        for x in xs:  # new weights in the same tensors, as after an optimizer step
+            x.copy_((torch.randn(x.shape, generator=gen) * torch.rand(x.shape, generator=gen) * 8).to(x.dtype))
+        quantizer(items)
+        if exact:
+            torch.cuda.synchronize(device)
+        for i, (x, o, g) in enumerate(zip(xs, outs, grids)):
+            wq, ws = quantize_reference(x.cpu(), fmt)
+            q = o if exact else o.to(wq.dtype)
+            if not torch.equal(q.cpu().view(torch.uint8), wq.view(torch.uint8)) or not torch.equal(g.cpu(), ws):
+                raise AssertionError(f"replayed shard {i} {list(x.shape)}: differs from quantize_reference")
+
+    items = [QuantizeItem(x, o, g, True) for x, o, g in zip(xs, outs, grids)]
+    refit(items, xs, outs, grids)
+    if (graphs.captures, graphs.replays) != (0, 0):
+        raise AssertionError("a set seen for the first time must run eagerly (its kernels compile then)")
+    for n in range(1, 4):
+        refit(items, xs, outs, grids)
+        if (graphs.captures, graphs.replays) != (1, n):
+            raise AssertionError(f"call {n + 1}: {graphs.captures} captures, {graphs.replays} replays; want 1, {n}")
+    # the same shapes at other addresses: not the captured set, so eager (then captured in turn)
+    xs2, outs2 = [x.clone() for x in xs], [o.clone() for o in outs]
+    grids2 = [g.clone() for g in grids]
+    refit([QuantizeItem(x, o, g, True) for x, o, g in zip(xs2, outs2, grids2)], xs2, outs2, grids2)
+    if (graphs.captures, graphs.replays) != (1, 3):
+        raise AssertionError("tensors at other addresses replayed a graph captured for others")
+    # one shard of another shape at the captured addresses: eager as well
+    short = [xs[0][:128]]
+    refit([QuantizeItem(short[0], outs[0][:128], grids[0][:1], True)], short, [outs[0][:128]], [grids[0][:1]])
+    if (graphs.captures, graphs.replays) != (1, 3):
+        raise AssertionError("a shard of another shape at a captured address replayed the graph")
+    failing = CountingGraphs(fail=True)
+    quantizer = GroupedQuantizer(fmt, failing)
+    for _ in range(3):
+        refit(items, xs, outs, grids)
+    if (failing.captures, failing.replays) != (1, 0):
+        raise AssertionError("a set whose capture failed must run eagerly, and not be captured again")
+    print(f"replay: captured at the second call, {graphs.replays} replays equal to quantize_reference")
 
 
 if __name__ == "__main__":

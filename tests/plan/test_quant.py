@@ -243,3 +243,42 @@ def test_quantizing_into_the_fp8_copy_compiled_or_eager_gives_the_reference_bits
         factors = scales_into(scales, amax_fn(x, fmt), fmt)
         assert quantize_fn(out, x, factors, fmt) is out
         assert torch.equal(scales, want_s) and torch.equal(out.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_fp8_weights_are_planned_from_their_fp8_copies_so_whole_blocks_go_in_place():
+    """A weight that leaves its trainer ranks quantized is planned FP8 to FP8: its contiguous
+    blocks are direct (sent from the FP8 copy straight into the engine's tensor), never a cast
+    through staging; the scales stay float32, a weight without asked-for scales stays a cast,
+    and one that some engine wants in bf16 stays bf16 for plan_quantization to refuse."""
+    from refit.errors import PlanError
+    from refit.plan import RosterEntry, build_rank_plan, group_roster, merge_rosters
+    from refit.plan.quant import plan_quantization
+
+    big = (256, 512)  # 128 rows a trainer rank: 128 KiB of FP8, over the direct threshold
+    src = {r: group_roster([RosterEntry.make(n, big, "bfloat16", [0, 1], [Shard(0)], "src")
+                            for n in ("col", "row", "plain")]) for r in (0, 1)}
+
+    def engine(row_dtype="float8_e4m3fn"):
+        dst = [RosterEntry.make("col", big, "float8_e4m3fn", [2], [Replicate()], "dst"),
+               RosterEntry.make("row", big, row_dtype, [2], [Replicate()], "dst"),
+               RosterEntry.make("plain", big, "float8_e4m3fn", [2], [Replicate()], "dst")]
+        dst += [RosterEntry.make(f"{n}_scale_inv", (2, 4), "float32", [2], [Replicate()], "dst")
+                for n in ("col", "row")]
+        return group_roster(dst, fp8_block=(128, 128))
+
+    index = merge_rosters({**src, 2: engine()}, 3)
+    assert {n: index.specs[n].src.dtype for n in ("col", "row", "plain", "col_scale_inv")} == {
+        "col": "float8_e4m3fn", "row": "float8_e4m3fn", "plain": "bfloat16", "col_scale_inv": "float32"}
+    for rank in (0, 1):
+        plan = build_rank_plan(index, rank)
+        ops = {op.name: op for b in plan.sends for op in b.ops}
+        assert (ops["col"].src_dtype, ops["col"].wire_dtype, ops["col"].direct) == ("float8_e4m3fn",) * 2 + (True,)
+        assert ops["plain"].src_dtype == "bfloat16" and not ops["plain"].direct  # a cast, no scales: staged
+        recv = {op.name: op for b in build_rank_plan(index, 2).recvs for op in b.ops}
+        assert recv["col"].direct and recv["col"].nbytes == 128 * 512
+    # one engine wanting a bf16 copy: the weight stays bf16 and the trainer's plan names the conflict
+    index = merge_rosters({**src, 2: engine(), 3: group_roster(
+        [RosterEntry.make("row", big, "bfloat16", [3], [Replicate()], "dst")])}, 4)
+    assert index.specs["row"].src.dtype == "bfloat16" and index.specs["col"].src.dtype == "float8_e4m3fn"
+    with pytest.raises(PlanError, match=r"row: destinations want it as \['bfloat16', 'float8_e4m3fn'\]"):
+        plan_quantization(index, 0, ["col", "row"], block=(128, 128))
