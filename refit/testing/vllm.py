@@ -118,7 +118,8 @@ def versioned_greedy(models: Mapping[int, torch.nn.Module], prompt: Sequence[int
 
 
 class VllmFleet:
-    """Trainer ranks (``HFTrainerWorker``) and vLLM engines (``VllmEngineHost``), each a ``ProcessWorker``.
+    """Trainer ranks (``HFTrainerWorker``) and vLLM engines (``VllmEngineHost``), each a ``ProcessWorker``
+    or, with ``actors="ray"``, a Ray actor on the cluster this process has joined.
 
     Args:
         engine_tp: the tensor-parallel size of each engine, e.g. ``(1, 2)``.
@@ -132,15 +133,22 @@ class VllmFleet:
             the engine's workers (``enable_expert_parallel``) instead of splitting each one.
         engine_options: more keyword arguments of the engine hosts (``check_served``, ...), for all
             engines or one mapping per engine.
+        actors: ``"process"`` or ``"ray"``. Ray trainers make the controller share its large arguments
+            through Ray's object store, and a Ray host fetches them before its workers, which are no
+            Ray actors, could not: the path of a fleet of Ray actors, as most RL frameworks run.
     """
 
     def __init__(self, engine_tp: Sequence[int] = (1, 2), *, dp: int = 2, tp: int = 2, config: Any = None,
                  receive_mode: str = "auto", start_timeout_s: float = 900.0, cpus: int | None = None,
                  kv_cache_gib: int = 1, model_dir: str | None = None, serving: str = "offline",
                  trainer_lr: float | None = None, expert_parallel: bool | Sequence[bool] = False,
-                 engine_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None):
+                 engine_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+                 actors: str = "process"):
         if serving not in ("offline", "staged", "blocking"):
             raise RefitError(f"serving must be 'offline', 'staged' or 'blocking', got {serving!r}")
+        if actors not in ("process", "ray"):
+            raise RefitError(f"actors must be 'process' or 'ray', got {actors!r}")
+        self.actors = actors
         self.serving = serving
         self.config = config or vllm_llama_config()
         if not getattr(self.config, "architectures", None):
@@ -171,12 +179,11 @@ class VllmFleet:
         self.kv_cache_gib = kv_cache_gib
         self.world = dp * tp
         port = free_port("127.0.0.1")
-        self.trainers: list[ProcessWorker] = []
-        self.hosts: list[ProcessWorker | None] = [None] * len(self.engine_tp)
+        self.trainers: list[Any] = []
+        self.hosts: list[Any] = [None] * len(self.engine_tp)
         with cf.ThreadPoolExecutor(self.world + len(self.engine_tp)) as pool:
-            trainers = [pool.submit(ProcessWorker, HFTrainerWorker, rank=r, world_size=self.world,
+            trainers = [pool.submit(self._start, HFTrainerWorker, f"trainer rank {r}", rank=r, world_size=self.world,
                                     config=self.config.to_dict(), dp=dp, tp=tp, master_port=port,
-                                    name=f"trainer rank {r}", start_timeout_s=start_timeout_s,
                                     **({} if trainer_lr is None else {"lr": trainer_lr}))
                         for r in range(self.world)]
             hosts = [pool.submit(self._start_host, s) for s in range(len(self.engine_tp))]
@@ -195,7 +202,24 @@ class VllmFleet:
                 from errors[0]
         self.engines = [VllmEngine(h, name=f"engine {s}") for s, h in enumerate(self.hosts)]
 
-    def _start_host(self, shard: int) -> ProcessWorker:
+    def _start(self, factory: Any, name: str, *args: Any, daemon: bool = True, **kwargs: Any) -> Any:
+        """``factory(*args, **kwargs)`` in a process or a Ray actor of its own, once it is built."""
+        if self.actors == "process":
+            return ProcessWorker(factory, *args, name=name, daemon=daemon, start_timeout_s=self.start_timeout_s,
+                                 **kwargs)
+        import ray
+
+        from refit.runtime.ray import RayWorker
+
+        handle = ray.remote(factory).options(num_cpus=0).remote(*args, **kwargs)
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=self.start_timeout_s)
+        except BaseException:
+            ray.kill(handle)
+            raise
+        return RayWorker(handle, name)
+
+    def _start_host(self, shard: int) -> Any:
         tp = self.engine_tp[shard]
         first = sum(self.engine_tp[:shard])
         bind = "|".join(str((first + w) % self.cpus) for w in range(tp))
@@ -205,12 +229,14 @@ class VllmFleet:
                                       max_model_len=128, enforce_eager=True, max_num_seqs=4)
         if self.expert_parallel[shard]:
             kwargs["enable_expert_parallel"] = True
+        if self.actors == "ray":  # vLLM would pick its Ray executor inside a Ray actor
+            kwargs["distributed_executor_backend"] = "mp"
         kwargs.update(self.engine_options[shard])
         host = VllmEngineHost
         if self.serving != "offline":
             host, kwargs["refit"] = VllmServingHost, self.serving
-        return ProcessWorker(host, self.model_dir, name=f"engine {shard}", daemon=False,
-                             start_timeout_s=self.start_timeout_s, **kwargs)
+        # a host spawns vLLM's engine processes, which a daemon process may not
+        return self._start(host, f"engine {shard}", self.model_dir, daemon=False, **kwargs)
 
     @property
     def shards(self) -> list[list[Any]]:
@@ -256,21 +282,32 @@ class VllmFleet:
         ``replace_shard``)."""
         old = self.hosts[shard]
         if old is not None:
-            old.close(timeout_s=30.0)
+            self._close(old)
         self.hosts[shard] = self._start_host(shard)
         self.engines[shard] = VllmEngine(self.hosts[shard], name=f"engine {shard}")
         return self.engines[shard]
 
-    def close(self) -> None:
-        def close(w) -> None:
-            try:
-                w.close(timeout_s=30.0)
-            except Exception:  # best effort at teardown
-                pass
+    def _close(self, worker: Any) -> None:
+        """Stop one trainer or host, best effort; a Ray host stops its engine's processes first."""
+        try:
+            if self.actors == "process":
+                worker.close(timeout_s=30.0)
+                return
+            import ray
 
+            if worker in self.hosts:
+                try:
+                    worker.call("refit_teardown").result(30.0)
+                except Exception:  # a dead host: its engine's processes went with it
+                    pass
+            ray.kill(worker.actor)
+        except Exception:  # best effort at teardown
+            pass
+
+    def close(self) -> None:
         workers = [*self.trainers, *(h for h in self.hosts if h is not None)]
         with cf.ThreadPoolExecutor(max(len(workers), 1)) as pool:  # each waits for its process to exit
-            list(pool.map(close, workers))
+            list(pool.map(self._close, workers))
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -2,7 +2,7 @@
 
 One fleet serves the module (starting vLLM engines takes most of a minute here): a trainer
 of dp=2 x tp=2 ranks and two engines, TP=1 and TP=2. The tests run in file order; the last
-one kills an engine worker and re-admits a restarted engine.
+two on it kill an engine worker and a trainer rank. The module ends with a fleet of Ray actors.
 """
 
 from __future__ import annotations
@@ -138,3 +138,42 @@ def test_engines_survive_a_trainer_rank_dying_mid_refit(fleet, sync):
         assert state["consistent"] and all(w["consistent"] for w in state["workers"]), state
         _check(fleet, shard, before)
 
+
+
+@pytest.fixture(scope="module")
+def ray_fleet():
+    ray = pytest.importorskip("ray")
+    from refit.testing.launch import scaled
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False)
+    try:
+        with VllmFleet((2,), dp=2, tp=1, actors="ray", start_timeout_s=scaled(600.0)) as f:
+            yield f
+    finally:
+        ray.shutdown()
+
+
+def test_a_fleet_of_ray_actors_computes_with_the_trainers_weights_after_every_refit(ray_fleet):
+    """Trainer ranks and a vLLM host as Ray actors, as most RL frameworks run them.
+
+    With Ray workers the controller puts its large arguments (the merged index, the rosters) in
+    Ray's object store once and every call carries a reference; the host must fetch them before it
+    seals the calls for its engine's workers, which are no Ray actors and could not. An engine of
+    TP=2, so the host batches two workers' calls.
+    """
+    from refit.runtime.ray import RayWorker
+
+    fleet = ray_fleet
+    assert all(isinstance(w, RayWorker) for w in [*fleet.trainers, *fleet.hosts])
+    sync = ReshardWeightSynchronizer(fleet.trainers, fleet.shards, refit_timeout_s=120.0, connect_timeout_s=120.0)
+    try:
+        for refit in (1, 2):
+            reference = fleet.train_step(PROMPT)
+            result = sync.sync_weights()
+            assert result.verified and not result.recovered, result.failure
+            _check(fleet, 0, reference)
+            workers = fleet.engines[0].call("receive_modes").result(120)
+            assert [w["loads"] for w in workers] == [refit, refit], workers
+            assert all(w["served"]["checked"] > 0 and w["served"]["mismatches"] == [] for w in workers), workers
+    finally:
+        sync.shutdown()

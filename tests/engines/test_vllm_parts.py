@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refit.engines.vllm.extension import new_key, open_sealed, seal
+from refit.engines.vllm.extension import ReadWeightsState, new_key, open_sealed, seal
 from refit.engines.vllm.served import PROBE_COLUMNS, probe_columns
 from refit.engines.vllm.shard_tensor import CheckpointShard, as_checkpoint_tensor
 from refit.engines.vllm.worker import VllmWorkerEndpoint, check_parallel_layout, choose_receive_mode
@@ -89,7 +89,7 @@ class _Boom:
 
 def test_sealed_messages_are_authenticated_before_they_are_unpickled():
     key = new_key()
-    assert open_sealed(seal(("refit_ping", {0: ((), {})}), key), key) == ("refit_ping", {0: ((), {})})
+    assert open_sealed(seal({0: ReadWeightsState()}, key), key) == {0: ReadWeightsState()}
     forged = b"\0" * 32 + pickle.dumps(_Boom())
     with pytest.raises(RefitError, match="failed authentication"):
         open_sealed(forged, key)

@@ -31,7 +31,19 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from refit.engines.vllm.extension import EXTENSION, KEY_ENV, REQUESTS, new_key, open_sealed, seal
+from refit.engines.vllm.extension import (
+    EXTENSION,
+    KEY_ENV,
+    Attach,
+    LiveWeightsDigest,
+    LoadCheckpoint,
+    ReadReceiveMode,
+    ReadWeightsState,
+    WorkerCall,
+    new_key,
+    open_sealed,
+    seal,
+)
 from refit.errors import InconsistentWeights, RefitError
 from refit.runtime.handles import FuturePending, WorkerDied, pid_alive
 from refit.runtime.protocol import Commit, EndpointCall, Transfer
@@ -43,6 +55,20 @@ TEARDOWN_GRACE_S = 1.0
 
 class IncompleteWeights(InconsistentWeights):
     """This engine's last refit did not commit, so its weights may be partial: it does not generate."""
+
+
+def fetched(calls: Mapping[int, EndpointCall]) -> dict[int, EndpointCall]:
+    """The controller's calls with the Ray object references among their fields fetched.
+
+    A host run as a Ray actor gets the controller's large arguments (the merged index, the
+    rosters) as references into Ray's object store; the engine's own workers are no Ray
+    actors and could not fetch them.
+    """
+    if "ray" not in sys.modules:
+        return dict(calls)
+    from refit.runtime.ray import fetch_shared
+
+    return {rank: fetch_shared(call) for rank, call in calls.items()}
 
 
 class VllmEngineHost:
@@ -72,9 +98,7 @@ class VllmEngineHost:
         self._incomplete = False
         self._reason: str | None = None  # why the weights are torn, while they are
         self.version = 0  # refits committed
-        options = {"receive_mode": receive_mode, "check_served": check_served, "reprocess_shared": reprocess_shared}
-        info = self._batch("refit_attach", {r: ((), options) for r in range(self.tp_size)})
-        self.workers_info = [_unwrap(x) for x in info]
+        self.workers_info = self._on_every_worker(Attach(receive_mode, check_served, reprocess_shared))
         self.worker_pids = [w["pid"] for w in self.workers_info]
         # loader mode touches the live weights only at the commit; direct mode writes them in place
         self.direct = any(w["mode"] == "direct" for w in self.workers_info)
@@ -88,21 +112,17 @@ class VllmEngineHost:
     def _rpc(self, blob: bytes) -> list[bytes]:
         return self.llm.collective_rpc("refit_dispatch", args=(blob,))
 
-    def _batch(self, method: str, calls: dict[int, tuple[tuple, dict]]) -> list[tuple[bool, Any]]:
-        if method == REQUESTS and "ray" in sys.modules:
-            # a host run as a Ray actor: the controller's large arguments arrive as object references,
-            # which the engine's own workers (no Ray actors) could not fetch
-            from refit.runtime.ray import fetch_shared
+    def _batch(self, calls: Mapping[int, EndpointCall | WorkerCall]) -> list[tuple[bool, Any]]:
+        """Each worker's call (by TP rank) in one sealed message; each worker's ``(ok, result or error)``."""
+        return [open_sealed(a, self._key) for a in self._rpc(seal(dict(calls), self._key))]
 
-            calls = {rank: fetch_shared(call) for rank, call in calls.items()}
-        return [open_sealed(a, self._key) for a in self._rpc(seal((method, calls), self._key))]
-
-    def _on_every_worker(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every worker of the engine; the answers, the first failure raised."""
-        return [_unwrap(x) for x in self._batch(method, {r: (args, {}) for r in range(self.tp_size)})]
+    def _on_every_worker(self, call: WorkerCall) -> list[Any]:
+        """``call`` on every worker of the engine; the answers, the first failure raised."""
+        return [_unwrap(x) for x in self._batch(dict.fromkeys(range(self.tp_size), call))]
 
     def refit_requests(self, calls: dict[int, EndpointCall]) -> list[tuple[bool, Any]]:
         """Run one round of the controller's calls, one per worker (by TP rank); ``(ok, result or error)`` each."""
+        calls = fetched(calls)
         with self._lock:
             call = next(iter(calls.values()))
             if isinstance(call, Transfer) and self.direct:
@@ -111,7 +131,7 @@ class VllmEngineHost:
             if isinstance(call, Commit) and not self.direct:
                 # a load that fails part way leaves some layers new
                 self._incomplete, self._reason = True, "vLLM's load of the received weights did not complete"
-            out = self._batch(REQUESTS, calls)
+            out = self._batch(calls)
             if isinstance(call, Commit) and all(ok for ok, _ in out):
                 self._incomplete, self._reason = False, None
                 self.version += 1
@@ -126,7 +146,7 @@ class VllmEngineHost:
         """Whether this engine serves: ``consistent`` (every worker's weights whole), ``version``
         (refits committed), ``reason`` while not, and each worker's own record (``workers``)."""
         with self._lock:
-            workers = self._on_every_worker("refit_weights_state")
+            workers = self._on_every_worker(ReadWeightsState())
             consistent = not self._incomplete and all(w["consistent"] for w in workers)
             reason = self._reason or next((w["reason"] for w in workers if not w["consistent"]), None)
             return {"consistent": consistent, "version": self.version, "reason": None if consistent else reason,
@@ -148,7 +168,7 @@ class VllmEngineHost:
 
     def receive_modes(self) -> list[dict]:
         """Each worker's receive mode, its share of the weights in bytes, and its load count."""
-        return self._on_every_worker("refit_receive_mode")
+        return self._on_every_worker(ReadReceiveMode())
 
     # -- generation -------------------------------------------------------------------
     def _check_complete(self) -> None:
@@ -174,12 +194,12 @@ class VllmEngineHost:
         every worker receives every tensor, so it is for tests and small models.
         """
         with self._lock:
-            self._on_every_worker("load_checkpoint", state)
+            self._on_every_worker(LoadCheckpoint(state))
 
     def live_weights_digest(self) -> list[dict[str, str]]:
         """Each worker's digest of its live parameters (``VllmWorkerEndpoint.live_weights_digest``)."""
         with self._lock:
-            return self._on_every_worker("live_weights_digest")
+            return self._on_every_worker(LiveWeightsDigest())
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """The log-probability of every prompt token after the first, given the ones before it."""

@@ -10,6 +10,12 @@ vLLM's RPC channel carries plain data, and refit's calls carry plans and specs, 
 and answers travel pickled; they are sealed with HMAC-SHA256 under a key that only the
 process that started the engine and the workers it spawned hold (``KEY_ENV``, inherited
 through the environment). A batch that does not verify is refused before it is unpickled.
+
+A batch maps each worker's TP rank to one record: one of the controller's calls
+(``refit.runtime.protocol``), or one of the host's own (``WorkerCall``: attach, start and
+poll a transfer that runs while the engine steps, read a worker's state, load a reference
+checkpoint). Each record's ``apply`` names what it runs, so the hop from host to worker
+reads like a call, and nothing unknown is ever looked up by name on the worker.
 """
 
 from __future__ import annotations
@@ -23,18 +29,19 @@ import secrets
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from refit.errors import RefitError
 from refit.runtime.handles import sendable_error
-from refit.runtime.protocol import Commit, answer
+from refit.runtime.protocol import Commit, EndpointCall, answer
 
-__all__ = ["EXTENSION", "KEY_ENV", "REQUESTS", "RefitWorkerExtension", "new_key", "open_sealed", "seal"]
+__all__ = ["EXTENSION", "KEY_ENV", "Attach", "ConfigureStaging", "LiveWeightsDigest", "LoadCheckpoint",
+           "PollTransfer", "ReadReceiveMode", "ReadWeightsState", "RefitWorkerExtension", "StartTransfer",
+           "WorkerCall", "new_key", "open_sealed", "seal"]
 
 EXTENSION = "refit.engines.vllm.extension.RefitWorkerExtension"
 KEY_ENV = "REFIT_VLLM_CHANNEL_KEY"
-#: the batch kind whose calls are the controller's records (``refit.runtime.protocol``), one per worker
-REQUESTS = "requests"
 _DIGEST = 32
 
 
@@ -61,10 +68,85 @@ def open_sealed(blob: bytes, key: str | None = None) -> Any:
     return pickle.loads(body)  # noqa: S301 - authenticated above
 
 
+class WorkerCall:
+    """One of the engine host's own calls to a worker of its engine; ``apply`` runs it there."""
+
+    def apply(self, worker: RefitWorkerExtension) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Attach(WorkerCall):
+    """Make the worker's refit endpoint with these options; its receive mode and pid."""
+
+    receive_mode: str = "auto"
+    check_served: bool = True
+    reprocess_shared: bool = True
+
+    def apply(self, worker: RefitWorkerExtension) -> dict:
+        ep = worker.refit_endpoint(receive_mode=self.receive_mode, check_served=self.check_served,
+                                   reprocess_shared=self.reprocess_shared)
+        return {**ep.refit_receive_mode(), "pid": os.getpid()}
+
+
+@dataclass(frozen=True)
+class StartTransfer(WorkerCall):
+    """Start the controller's ``transfer`` on a thread of the worker's own, and return at once."""
+
+    transfer: EndpointCall
+
+    def apply(self, worker: RefitWorkerExtension) -> None:
+        worker.refit_transfer_start(worker.refit_endpoint(), self.transfer)
+
+
+@dataclass(frozen=True)
+class PollTransfer(WorkerCall):
+    """``None`` while the started transfer runs, then ``{"transfer": its report}``; its error raised."""
+
+    def apply(self, worker: RefitWorkerExtension) -> dict | None:
+        return worker.refit_transfer_poll()
+
+
+@dataclass(frozen=True)
+class ReadReceiveMode(WorkerCall):
+    def apply(self, worker: RefitWorkerExtension) -> dict:
+        return worker.refit_endpoint().refit_receive_mode()
+
+
+@dataclass(frozen=True)
+class ReadWeightsState(WorkerCall):
+    def apply(self, worker: RefitWorkerExtension) -> dict:
+        return worker.refit_endpoint().refit_weights_state()
+
+
+@dataclass(frozen=True)
+class ConfigureStaging(WorkerCall):
+    staged: bool
+
+    def apply(self, worker: RefitWorkerExtension) -> Any:
+        return worker.refit_endpoint().refit_configure_staging(self.staged)
+
+
+@dataclass(frozen=True)
+class LoadCheckpoint(WorkerCall):
+    """vLLM's own loaders over whole checkpoint tensors: the reference a refit is checked against."""
+
+    state: dict
+
+    def apply(self, worker: RefitWorkerExtension) -> None:
+        worker.refit_endpoint().load_checkpoint(self.state)
+
+
+@dataclass(frozen=True)
+class LiveWeightsDigest(WorkerCall):
+    def apply(self, worker: RefitWorkerExtension) -> dict[str, str]:
+        return worker.refit_endpoint().live_weights_digest()
+
+
 class RefitWorkerExtension:
     """Mixed into vLLM's worker: ``refit_dispatch(sealed_batch) -> sealed answer``."""
 
-    def _refit_endpoint(self, receive_mode: str = "auto", check_served: bool = True, reprocess_shared: bool = True):
+    def refit_endpoint(self, receive_mode: str = "auto", check_served: bool = True, reprocess_shared: bool = True):
         ep = self.__dict__.get("_refit_vllm_endpoint")
         if ep is None:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -83,31 +165,24 @@ class RefitWorkerExtension:
         return ep
 
     def refit_dispatch(self, blob: bytes) -> bytes:
-        """Run this worker's call of a sealed batch ``(method, {tp_rank: (args, kwargs)})``."""
+        """Run this worker's record of a sealed batch ``{tp_rank: call}``; ``(ok, result or error)``, sealed."""
         try:
-            method, calls = open_sealed(blob)
+            calls = open_sealed(blob)
             from vllm.distributed import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
             if rank not in calls:
                 return seal((True, None))  # not addressed to this worker
-            if method == REQUESTS:  # one of the controller's calls
-                ep = self._refit_endpoint()
-                call = calls[rank]
-                result = answer(ep, call)
-                if isinstance(call, Commit):
-                    result = self._refit_switch_record(ep)
-                return seal((True, result))
-            args, kwargs = calls[rank]
-            if method == "refit_attach":
-                ep = self._refit_endpoint(**kwargs)
-                return seal((True, {**ep.refit_receive_mode(), "pid": os.getpid()}))
-            ep = self._refit_endpoint()
-            if method == "refit_transfer_start":
-                return seal((True, self._refit_transfer_start(ep, *args)))
-            if method == "refit_transfer_poll":
-                return seal(self._refit_transfer_poll())
-            return seal((True, getattr(ep, method)(*args, **kwargs)))
+            call = calls[rank]
+            if isinstance(call, WorkerCall):
+                return seal((True, call.apply(self)))
+            if not isinstance(call, EndpointCall):
+                raise RefitError(f"refit's vLLM channel: a {type(call).__name__} is not a call")
+            ep = self.refit_endpoint()
+            result = answer(ep, call)
+            if isinstance(call, Commit):
+                result = self.refit_switch_record(ep)
+            return seal((True, result))
         except BaseException as e:  # every failure goes back to the caller, sealed
             return seal((False, sendable_error(e, traceback.format_exc())))
 
@@ -119,7 +194,7 @@ class RefitWorkerExtension:
     # end. Only the commit, which loads the buffers into the live weights, runs between two
     # steps: that is the switch, and every worker of the engine makes it at the same point
     # of the step sequence, because vLLM hands the RPC to all of them in that order.
-    def _refit_transfer_start(self, ep: Any, transfer: Any) -> None:
+    def refit_transfer_start(self, ep: Any, transfer: EndpointCall) -> None:
         pending = self.__dict__.get("_refit_pending")
         if pending is not None and not pending.done():
             raise RefitError("a refit transfer is still running on this vLLM worker; one runs at a time")
@@ -134,20 +209,20 @@ class RefitWorkerExtension:
         self._refit_pending = fut
         threading.Thread(target=run, name="refit-transfer", daemon=True).start()
 
-    def _refit_transfer_poll(self) -> tuple[bool, Any]:
-        """``(True, None)`` while the transfer runs; then its own ``(ok, result or error)``, once."""
+    def refit_transfer_poll(self) -> dict | None:
+        """``None`` while the transfer runs; then ``{"transfer": its report}``, or its error raised, once."""
         fut = self.__dict__.get("_refit_pending")
         if fut is None:
-            return False, RefitError("no refit transfer was started on this vLLM worker")
+            raise RefitError("no refit transfer was started on this vLLM worker")
         if not fut.done():
-            return True, None
+            return None
         self._refit_pending = None
         err = fut.exception()
         if err is not None:
-            return False, sendable_error(err, "".join(traceback.format_exception(err)))
-        return True, {"transfer": fut.result()}
+            raise err
+        return {"transfer": fut.result()}
 
-    def _refit_switch_record(self, ep: Any) -> dict:
+    def refit_switch_record(self, ep: Any) -> dict:
         """What the switch cut: how many tokens every request the engine holds had generated before it.
 
         Read between two steps, so a request's first ``n`` tokens came from the old weights

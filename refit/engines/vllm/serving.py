@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from refit.engines.vllm.engine import TEARDOWN_GRACE_S, VllmEngineHost
-from refit.engines.vllm.extension import EXTENSION, REQUESTS
+from refit.engines.vllm.engine import TEARDOWN_GRACE_S, VllmEngineHost, fetched
+from refit.engines.vllm.extension import EXTENSION, ConfigureStaging, PollTransfer, StartTransfer
 from refit.errors import InconsistentWeights, RefitError, first_line
 from refit.runtime.protocol import Commit, EndpointCall, Transfer
 
@@ -99,8 +99,7 @@ class VllmServingHost(VllmEngineHost):
         super().__init__(model, receive_mode=receive_mode, env=env, **engine_kwargs)
         if self.refit_mode == "staged" and self.direct:
             # direct mode writes the live fused weights; staged, it writes copies of them
-            for answer in self._batch("refit_configure_staging", {r: ((True,), {}) for r in range(self.tp_size)}):
-                _raise_failed(answer)
+            self._on_every_worker(ConfigureStaging(True))
 
     # -- the engine, on a loop of its own -------------------------------------------------
     def _start_engine(self, model: str, engine_kwargs: dict[str, Any]) -> None:
@@ -131,12 +130,13 @@ class VllmServingHost(VllmEngineHost):
 
     # -- refits -------------------------------------------------------------------------
     def refit_requests(self, calls: dict[int, EndpointCall]) -> list[tuple[bool, Any]]:
+        calls = fetched(calls)
         with self._lock:
             call = next(iter(calls.values()))
             if isinstance(call, Transfer):
                 if self.refit_mode == "blocking":
                     self._pause()
-                    out = self._batch(REQUESTS, calls)
+                    out = self._batch(calls)
                 else:
                     out = self._transfer_while_serving(calls)
                 if not all(ok for ok, _ in out):
@@ -145,7 +145,7 @@ class VllmServingHost(VllmEngineHost):
             if isinstance(call, Commit):
                 t0 = time.perf_counter()
                 try:
-                    out = self._batch(REQUESTS, calls)
+                    out = self._batch(calls)
                 finally:
                     commit_s = time.perf_counter() - t0
                     stalled = self._resume()
@@ -157,14 +157,14 @@ class VllmServingHost(VllmEngineHost):
                     self._incomplete = True
                     self._reason = f"refit commit failed: {first_line(failed)}"
                 return out
-            out = self._batch(REQUESTS, calls)
+            out = self._batch(calls)
             if self._paused_at is not None and not all(ok for ok, _ in out):
                 self._resume()  # the refit failed before its commit: serve version N again
             return out
 
     def _transfer_while_serving(self, calls: dict[int, EndpointCall]) -> list[tuple[bool, Any]]:
         """Start the transfer on every worker's thread, then poll (between steps) until each ended."""
-        started = self._batch("refit_transfer_start", {r: ((c,), {}) for r, c in calls.items()})
+        started = self._batch({r: StartTransfer(c) for r, c in calls.items()})
         answers: dict[int, tuple[bool, Any]] = {}
         running = []
         for rank, (ok, value) in zip(sorted(calls), (started[r] for r in sorted(calls))):
@@ -174,7 +174,7 @@ class VllmServingHost(VllmEngineHost):
                 answers[rank] = (ok, value)
         while running:
             time.sleep(_POLL_S)
-            polled = self._batch("refit_transfer_poll", {r: ((), {}) for r in running})
+            polled = self._batch(dict.fromkeys(running, PollTransfer()))
             for rank in list(running):
                 ok, value = polled[rank]
                 if ok and value is None:
@@ -366,10 +366,4 @@ def median_gap(records: Sequence[dict]) -> float:
     gaps = [b - a for a, b in token_gaps(records)]
     return statistics.median(gaps) if gaps else 0.0
 
-
-def _raise_failed(answer: tuple[bool, Any]) -> Any:
-    ok, value = answer
-    if not ok:
-        raise value
-    return value
 
