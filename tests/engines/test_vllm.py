@@ -147,7 +147,8 @@ def ray_fleet():
 
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False)
     try:
-        with VllmFleet((2,), dp=2, tp=1, actors="ray", start_timeout_s=scaled(600.0)) as f:
+        # a vLLM host in a Ray actor took over 12 minutes to start beside the suite and two `yes`
+        with VllmFleet((2,), dp=2, tp=1, actors="ray", start_timeout_s=scaled(1200.0)) as f:
             yield f
     finally:
         ray.shutdown()
