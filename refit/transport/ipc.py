@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from refit.comm.wire import register_record
-from refit.errors import PlanError, RefitAborted, RefitError, TransportError
+from refit.errors import PlanError, RefitError, TransportError
 from refit.layout import dtype_from_name
 from refit.plan import Bucket, Op, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
@@ -87,7 +87,7 @@ from refit.transport.buckets import (
     unpack_bucket,
 )
 from refit.transport.copy_sum import CopySumBatch, NotFusable, fused_enabled
-from refit.transport.one_sided import OneSidedTransport
+from refit.transport.one_sided import OneSidedRound, OneSidedTransport
 
 __all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "ShmSegment", "export_cuda",
            "list_segments", "node_id", "open_cuda", "sweep_stale_segments"]
@@ -522,6 +522,9 @@ class IpcTransport(OneSidedTransport):
 
     transport = "ipc"
     handshake_error = IpcHandshakeError
+    label = "IPC"
+    reregistered = "this rank exported new memory"
+    max_nap_s = MAX_NAP_S
 
     def __init__(self, rank: int, *, device: torch.device | str | None = None,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, verify: bool = False,
@@ -536,8 +539,6 @@ class IpcTransport(OneSidedTransport):
         self.probe_interval_s = probe_interval_s
         self.graphs = graphs
         self.node = node_id()
-        self.seq = 0
-        self.runs = 0
         self._control = _Segment(_segment_name("control"), CONTROL_SLOTS * 8, create=True)
         self._words = self._control.words()
         self._staging: _Segment | None = None
@@ -551,7 +552,6 @@ class IpcTransport(OneSidedTransport):
         self._src: Mapping[str, torch.Tensor] = {}
         self._dst: Mapping[str, torch.Tensor] = {}
         self._keep: dict[int, torch.Tensor] = {}  # region id -> its whole storage as bytes, while peers may read it
-        self._installed_digest: str | None = None
         self._peers: dict[int, _Peer] = {}
         self._copies: dict[int, list[_Copy]] = {}
         self._graphs: dict[int, Any] = {}  # source rank -> the CUDA graph of its copies
@@ -816,45 +816,45 @@ class IpcTransport(OneSidedTransport):
             raise
 
     def _run(self, src, dst, *, timeout_s, verify, corrupt) -> TransferStats:
-        self._check_open()
-        if self.plan is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before run()")
-        if self._installed_digest is None:
-            raise IpcHandshakeError(f"rank {self.rank}: no handshake yet: relay local_roster_entry() through "
-                                    "update_membership() (or call handshake()) before run()")
-        if self._installed_digest != self._local_digest:
-            raise IpcHandshakeError(f"rank {self.rank}: this rank exported new memory since the roster of epoch "
-                                    f"{self.epoch}; relay the new local_roster_entry() with update_membership()")
-        if self._aborted.is_set():
-            raise RefitAborted(f"rank {self.rank}: this IPC transport was aborted; install a new membership "
-                               "(update_membership) before the next refit")
         src = self._src if src is None else src
         dst = self._dst if dst is None else dst
-        self._check_bound(src, dst)
-        verify = self.verify if verify is None else verify
-        seq = self.seq
-        self.seq += 1
-        self.runs += 1
-        gen = _generation(self.epoch, seq)
-        t0 = time.perf_counter()
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        started = time.monotonic()
-        deadline = None if limit is None else started + limit
-        if self._deadline is not None:
-            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
-        stats = TransferStats()
-        ledger = ChecksumLedger() if verify else None
+        rnd = self._begin_round(timeout_s=timeout_s, verify=verify, check=lambda: self._check_bound(src, dst))
+        gen = _generation(self.epoch, rnd.seq)
+        stats, ledger = rnd.stats, rnd.ledger
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
-        failed: dict[int, str] = {}
         restore: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # 1. sources: make the data readable, then publish the generation
+        try:
+            # 1. sources: make the data readable, then publish the generation
+            side = self._publish(src, dst, gen, rnd, corrupt, restore)
+            # 2. receivers: take each source's blocks once it published; 3. sources: wait for 'done'
+            self._exchange(dst, gen, rnd)
+        finally:
+            for view, saved in restore:
+                view.copy_(saved)
+        self._raise_failed(rnd)
+        stats.zero_copy_buckets = sum(len(bs) for bs in self._recvs.values()) if cuda else 0
+        stats.staging_capacity_bytes = self._staging.nbytes if self._staging is not None else 0
+        stats.peak_staging_bytes = stats.staging_capacity_bytes
+        if ledger is not None:
+            if side is not None:
+                stream.wait_stream(side)
+            stats.checksums_sent, stats.checksums_received = ledger.settle()
+        stats.seconds = time.perf_counter() - rnd.t0
+        return stats
+
+    def _publish(self, src: TensorMap, dst: TensorMap, gen: int, rnd: OneSidedRound, corrupt: Corruption | None,
+                 restore: list) -> Any:
+        """A source's half before its peers read: sums (beside their copies on a GPU, packed on
+        the host), then the generation published. Returns the side stream the sums run on."""
+        stats, ledger = rnd.stats, rnd.ledger
+        cuda = self.device.type == "cuda"
         stats.local_bytes = local_copies(self.plan, src, dst)
         fused_send = self._fused_sends() if cuda and ledger is not None and corrupt is None else None
         side = None
         if fused_send is not None:  # the sums run beside the receivers' copies, never ahead of them
             side = self._side()
-            side.wait_stream(stream)
+            side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 fused_send.batch.launch()
             fused_send.record(ledger, sent=True)
@@ -871,79 +871,61 @@ class IpcTransport(OneSidedTransport):
                 stats.bytes_sent += b.nbytes
                 stats.buckets_sent += 1
         if cuda:
-            stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         self._words[0] = gen
-        # 2. receivers: take each source's blocks once it published; 3. sources: wait for 'done'
+        return side
+
+    def _exchange(self, dst: TensorMap, gen: int, rnd: OneSidedRound) -> None:
+        """Poll the peers' words: read each source once it published (and say 'done' once the
+        copies landed), and wait for every receiver's 'done'."""
         awaiting = set(self._recvs)
         landing: dict[int, Any] = {}  # source -> CUDA event of its copies
         unreported = set(self._sends)
-        last_probe = time.monotonic()
-        idle = 0
-        try:
-            while awaiting or landing or unreported:
-                progress = 0
-                for p in sorted(awaiting):
-                    have = int(self._peers[p].words[0])
-                    if have == gen:
-                        awaiting.discard(p)
-                        landing[p] = self._receive(p, dst, stats, ledger)
-                        progress += 1
-                    elif have > gen:
-                        raise IpcHandshakeError(f"{self._where(seq)}: source rank {p} published {_describe(have)}, "
-                                                "ahead of this rank: the two installed different memberships")
-                for p in list(landing):
-                    event = landing[p]
-                    if event is None or event.query():
-                        del landing[p]
-                        self._words[1 + p] = gen
-                        progress += 1
-                for p in sorted(unreported):
-                    have = int(self._peers[p].words[1 + self.rank])
-                    if have == gen:
-                        unreported.discard(p)
-                        progress += 1
-                    elif have > gen:
-                        raise IpcHandshakeError(f"{self._where(seq)}: receiver rank {p} reported {_describe(have)} "
-                                                "done, ahead of this rank: the two installed different memberships")
-                if progress:
-                    idle = 0
-                    continue
-                now = time.monotonic()
-                if self._aborted.is_set():
-                    raise RefitAborted(self._where(seq) + ": aborted; " + self._missing(awaiting, unreported, failed))
-                if deadline is not None and now >= deadline:
-                    raise RefitAborted(self._where(seq) + f": its deadline passed ({deadline - started:.3g}s in); "
-                                       + self._missing(awaiting, unreported, failed))
-                if now - last_probe >= self.probe_interval_s:
-                    last_probe = now
-                    for p in sorted(awaiting | unreported):
-                        why = self._gone(p)
-                        if why:
-                            failed[p] = why
-                            awaiting.discard(p)
-                            unreported.discard(p)
-                            self._drop_mappings(p)
-                idle += 1
-                if landing and not awaiting and not unreported and len(landing) == 1:
-                    next(iter(landing.values())).synchronize()  # only this rank's own copies are left
-                    continue
+
+        def step() -> int:
+            progress = 0
+            for p in sorted(awaiting):
+                have = int(self._peers[p].words[0])
+                if have == gen:
+                    awaiting.discard(p)
+                    landing[p] = self._receive(p, dst, rnd.stats, rnd.ledger)
+                    progress += 1
+                elif have > gen:
+                    raise IpcHandshakeError(f"{self._where(rnd.seq)}: source rank {p} published {_describe(have)}, "
+                                            "ahead of this rank: the two installed different memberships")
+            for p in list(landing):
+                event = landing[p]
+                if event is None or event.query():
+                    del landing[p]
+                    self._words[1 + p] = gen
+                    progress += 1
+            for p in sorted(unreported):
+                have = int(self._peers[p].words[1 + self.rank])
+                if have == gen:
+                    unreported.discard(p)
+                    progress += 1
+                elif have > gen:
+                    raise IpcHandshakeError(f"{self._where(rnd.seq)}: receiver rank {p} reported {_describe(have)} "
+                                            "done, ahead of this rank: the two installed different memberships")
+            return progress
+
+        def probe() -> None:
+            for p in sorted(awaiting | unreported):
+                why = self._gone(p)
+                if why:
+                    rnd.failed[p] = why
+                    awaiting.discard(p)
+                    unreported.discard(p)
+                    self._drop_mappings(p)
+
+        def nap(idle: int) -> None:
+            if landing and not awaiting and not unreported and len(landing) == 1:
+                next(iter(landing.values())).synchronize()  # only this rank's own copies are left
+            else:
                 time.sleep(min(MAX_NAP_S, 2e-6 * (1 << min(idle, 10))))
-        finally:
-            for view, saved in restore:
-                view.copy_(saved)
-        if failed:
-            raise RefitAborted(self._where(seq) + ": " + "; ".join(
-                f"rank {p} ({self._peers[p].entry.name}) failed: {why}" for p, why in sorted(failed.items()))
-                + ". The other peers' transfers completed.")
-        stats.zero_copy_buckets = sum(len(bs) for bs in self._recvs.values()) if cuda else 0
-        stats.staging_capacity_bytes = self._staging.nbytes if self._staging is not None else 0
-        stats.peak_staging_bytes = stats.staging_capacity_bytes
-        if ledger is not None:
-            if side is not None:
-                stream.wait_stream(side)
-            stats.checksums_sent, stats.checksums_received = ledger.settle()
-        stats.seconds = time.perf_counter() - t0
-        return stats
+
+        self._poll_round(rnd, pending=lambda: bool(awaiting or landing or unreported), step=step,
+                         missing=lambda: self._missing(awaiting, unreported, rnd.failed), probe=probe, nap=nap)
 
     def _side(self) -> Any:
         if self._side_stream is None:
@@ -1099,7 +1081,7 @@ class IpcTransport(OneSidedTransport):
         self._installed_digest = None  # no run before a new membership maps the survivors again
 
     def _missing(self, awaiting, unreported, failed) -> str:
-        parts = [f"rank {p} ({self._peers[p].entry.name}) failed: {why}" for p, why in sorted(failed.items())]
+        parts = [self._failures(failed)] if failed else []
         if awaiting:
             parts.append("no data from source rank(s) " + ", ".join(
                 f"{p} ({self._peers[p].entry.name}, pid {self._peers[p].entry.pid}: at "
@@ -1109,8 +1091,8 @@ class IpcTransport(OneSidedTransport):
                 f"{p} ({self._peers[p].entry.name}, pid {self._peers[p].entry.pid})" for p in sorted(unreported)))
         return "; ".join(parts) or "nothing outstanding"
 
-    def _where(self, seq: int) -> str:
-        return f"IPC refit (epoch {self.epoch}, seq {seq}) on rank {self.rank}"
+    def _peer_name(self, peer: int) -> str:
+        return self._peers[peer].entry.name
 
     def _signature(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> tuple:
         """Where the memory a GPU refit reads and writes is: the exported source tensors and

@@ -65,12 +65,12 @@ from typing import Any
 import torch
 
 from refit.comm.wire import register_record
-from refit.errors import PlanError, RefitAborted, RefitError, TransportError
+from refit.errors import PlanError, RefitError, TransportError
 from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
 from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, op_view, pack_bucket, unpack_bucket
 from refit.transport.copy_sum import CopySumBatch, NotFusable, fused_enabled
-from refit.transport.one_sided import OneSidedTransport
+from refit.transport.one_sided import OneSidedRound, OneSidedTransport
 
 __all__ = [
     "NixlExecutor",
@@ -309,6 +309,36 @@ def _chunks(peer: int, slots: Sequence[_Slot], chunk_bytes: int) -> list[_Chunk]
 
 # -- the transport ---------------------------------------------------------------------------------
 
+@dataclass
+class _Flight:
+    """What one NIXL refit still has in flight, and what it made on the way."""
+
+    src: Mapping[str, torch.Tensor]
+    dst: Mapping[str, torch.Tensor]
+    corrupt: Corruption | None
+    fusing: bool  # on a GPU a chunk packs and unpacks in one kernel
+    fused: ChecksumLedger | None  # verified and fusing: the sums are taken in that same pass
+    to_pack: list[tuple[_Pair, _Chunk]] = field(default_factory=list)
+    awaiting: dict[int, set[int]] = field(default_factory=dict)  # source -> positions of buckets still to land
+    ready: set[int] = field(default_factory=set)  # receivers whose buffers are free
+    queued: list[tuple[_Pair, _Chunk, Any]] = field(default_factory=list)  # packed, waiting for 'ready' or the event
+    posted: dict[tuple[int, int], Any] = field(default_factory=dict)  # (peer, chunk) -> WRITE handle
+    temps: list[int] = field(default_factory=list)  # registrations made for this refit alone
+    unsummed: list[tuple[tuple[int, int], torch.Tensor]] = field(default_factory=list)  # direct sends, summed last
+
+    def pending(self) -> bool:
+        return bool(self.to_pack or self.queued or self.posted or self.awaiting)
+
+    def fail(self, rnd: OneSidedRound, peer: int, why: str) -> None:
+        """Drop a failed peer's work; the other peers' goes on."""
+        rnd.failed.setdefault(peer, why)
+        self.to_pack = [(p, c) for p, c in self.to_pack if p.peer != peer]
+        self.queued = [q for q in self.queued if q[0].peer != peer]
+        for key in [k for k in self.posted if k[0] == peer]:
+            del self.posted[key]
+        self.awaiting.pop(peer, None)
+
+
 class NixlTransport(OneSidedTransport):
     """Runs one rank's ``RankPlan`` with NIXL one-sided WRITEs; see the module docstring.
 
@@ -333,6 +363,8 @@ class NixlTransport(OneSidedTransport):
 
     transport = "nixl"
     handshake_error = NixlHandshakeError
+    label = "NIXL"
+    reregistered = "receive buffers were registered again"
 
     def __init__(self, rank: int, *, device: torch.device | str | None = None, agent_name: str | None = None,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -357,15 +389,12 @@ class NixlTransport(OneSidedTransport):
         self._backends = list(backends)
         self._nixl = load_nixl()
         self.agent = None
-        self.seq = 0
-        self.runs = 0
         self._mem_type = "DRAM"
         self._dev = 0
         self._sends: dict[int, _Pair] = {}
         self._recvs: dict[int, _Pair] = {}
         self._regs: dict[int, tuple[Any, Any]] = {}  # storage ptr -> (registration, keep-alive)
         self._recv_descs: dict[tuple[int, int], tuple[int, int, int]] = {}
-        self._installed_digest: str | None = None
         self._remotes: dict[int, _Remote] = {}  # plan peers by rank, from the installed roster
         self._loaded: dict[str, bytes] = {}  # remote agents loaded into NIXL: name -> metadata
         self._handles: dict[tuple[int, int], tuple[tuple, Any]] = {}
@@ -618,9 +647,6 @@ class NixlTransport(OneSidedTransport):
         name = self._remotes[peer].entry.agent_name
         return [extra for sender, extra in msgs if sender == name]
 
-    def _where(self, seq: int) -> str:
-        return f"NIXL refit (epoch {self.epoch}, seq {seq}) on rank {self.rank}"
-
     # -- one refit --------------------------------------------------------------------------------
     def run(self, src: Mapping[str, torch.Tensor] | None = None, dst: Mapping[str, torch.Tensor] | None = None,
             *, timeout_s: float | None = None, verify: bool | None = None,
@@ -632,34 +658,10 @@ class NixlTransport(OneSidedTransport):
         without a new handshake. ``corrupt`` (tests) mutates a bucket's bytes after its
         checksum was taken. ``verify`` overrides the constructor's for this refit.
         """
-        self._check_open()
-        if self.plan is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before run()")
-        if self._installed_digest is None or self.epoch < 0:
-            raise NixlHandshakeError(f"rank {self.rank}: no handshake yet: relay local_roster_entry() through "
-                                     "update_membership() (or call handshake()) before run()")
-        if self._installed_digest != self._local_digest:
-            raise NixlHandshakeError(f"rank {self.rank}: receive buffers were registered again since the roster of "
-                                     f"epoch {self.epoch} was installed; relay the new local_roster_entry() with "
-                                     "update_membership() before run()")
-        if self._aborted.is_set():
-            raise RefitAborted(f"rank {self.rank}: this NIXL transport was aborted; install a new membership "
-                               "(update_membership) before the next refit")
         src = self._src if src is None else src
         dst = self._dst if dst is None else dst
-        self._check_dst(dst)
-        verify = self.verify if verify is None else verify
-        seq = self.seq
-        self.seq += 1
-        self.runs += 1
-        t0 = time.perf_counter()
-        started = now = time.monotonic()
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = None if limit is None else now + limit
-        if self._deadline is not None:
-            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
-        stats = TransferStats()
-        ledger = ChecksumLedger() if verify else None
+        rnd = self._begin_round(timeout_s=timeout_s, verify=verify, check=lambda: self._check_dst(dst))
+        stats, ledger = rnd.stats, rnd.ledger
         stats.staging_capacity_bytes = sum(p.staging.numel() for p in [*self._sends.values(), *self._recvs.values()]
                                            if p.staging is not None)
         stats.peak_staging_bytes = stats.staging_capacity_bytes
@@ -668,143 +670,130 @@ class NixlTransport(OneSidedTransport):
             # the caller's work on the source tensors is done, and nothing still reads the
             # receive buffers (staging, or destination tensors written in place)
             torch.cuda.current_stream(self.device).synchronize()
-        failed: dict[int, str] = {}  # peer -> why; its work is dropped, the other peers' goes on
         # 1. receivers: tell every source the buffers are free
         for peer in self._recvs:
             try:
-                self._notify(peer, self._msg(b"R", seq, self._local_digest), "'ready'", seq)
+                self._notify(peer, self._msg(b"R", rnd.seq, self._local_digest), "'ready'", rnd.seq)
             except _PeerFailed as e:
-                failed[peer] = e.why
+                rnd.failed[peer] = e.why
         stats.local_bytes = local_copies(self.plan, src, dst)
-        # 2. sources: pack (chunk by chunk), post each chunk once its receiver is ready
-        to_pack = [(p, c) for p in self._sends.values() for c in p.chunks if p.peer not in failed]
-        ready: set[int] = set()
-        queued: list[tuple[_Pair, _Chunk, Any]] = []  # packed, waiting for 'ready' or the CUDA event
-        posted: dict[tuple[int, int], Any] = {}
-        # 3. receivers: buckets still to land, by source (positions in the pair's buckets)
-        awaiting = {p: set(range(len(pair.slots))) for p, pair in self._recvs.items()
-                    if pair.slots and p not in failed}
-        temps: list[int] = []
-        unsummed: list[tuple[tuple[int, int], torch.Tensor]] = []  # direct sends, summed once all are posted
         # on a GPU a chunk packs and unpacks in one kernel, verified or not; verified, it sums in the same pass
         fusing = cuda and corrupt is None and fused_enabled(self.device)
-        fused = ledger if fusing and ledger is not None else None
         if fusing:
             self._check_fused_src(src)
-        side = self._sum_direct_sends(src, fused) if fused is not None else None
-        last_probe = time.monotonic()
-        idle = 0
-
-        def fail(peer: int, why: str) -> None:
-            failed.setdefault(peer, why)
-            nonlocal to_pack, queued
-            to_pack = [(p, c) for p, c in to_pack if p.peer != peer]
-            queued = [q for q in queued if q[0].peer != peer]
-            for key in [k for k in posted if k[0] == peer]:
-                del posted[key]
-            awaiting.pop(peer, None)
-
+        fl = _Flight(
+            src, dst, corrupt, fusing, fused=ledger if fusing else None,
+            # 2. sources: pack (chunk by chunk), post each chunk once its receiver is ready
+            to_pack=[(p, c) for p in self._sends.values() for c in p.chunks if p.peer not in rnd.failed],
+            # 3. receivers: buckets still to land, by source (positions in the pair's buckets)
+            awaiting={p: set(range(len(pair.slots))) for p, pair in self._recvs.items()
+                      if pair.slots and p not in rnd.failed})
+        side = self._sum_direct_sends(src, fl.fused) if fl.fused is not None else None
         try:
-            while to_pack or queued or posted or awaiting:
-                progress = self._poll(seq)
-                for peer in self._sends:
-                    if peer in ready or peer in failed:
-                        continue
-                    for extra in self._take(b"R", seq, peer):
-                        want = self._remotes[peer].entry.digest
-                        if extra.decode() != want:
-                            raise NixlHandshakeError(
-                                f"{self._where(seq)}: receiver rank {peer} registered new receive buffers (its 'ready' "
-                                f"carries digest {extra.decode()}, the installed roster has {want}); relay its "
-                                "local_roster_entry() with update_membership() before the next refit")
-                        ready.add(peer)
-                        progress += 1
-                if to_pack:
-                    pair, chunk = to_pack.pop(0)
-                    queued.append((pair, chunk, self._pack_chunk(pair, chunk, src, ledger, corrupt, temps, unsummed,
-                                                                 fused, fusing=fusing)))
-                    progress += 1
-                for item in list(queued):
-                    pair, chunk, event = item
-                    if pair.peer in ready and (event is None or event.query()):
-                        queued.remove(item)
-                        try:
-                            posted[(pair.peer, chunk.pos)] = self._post(pair, chunk, src, seq)
-                        except _PeerFailed as e:
-                            fail(pair.peer, e.why)
-                        progress += 1
-                for key in list(posted):
-                    if key not in posted:
-                        continue
-                    try:
-                        state = self._state(posted[key], key[0], seq)
-                    except _PeerFailed as e:
-                        fail(key[0], e.why)
-                        continue
-                    if state == "DONE":
-                        del posted[key]
-                        chunk = self._sends[key[0]].chunks[key[1]]
-                        stats.bytes_sent += chunk.nbytes
-                        stats.buckets_sent += chunk.hi - chunk.lo
-                        progress += 1
-                for peer in list(awaiting):
-                    for extra in self._take(b"D", seq, peer):
-                        lo, hi = (int(x) for x in extra.split(b"-"))
-                        pending = awaiting[peer]
-                        if not set(range(lo, hi)) <= pending:
-                            raise NixlHandshakeError(f"{self._where(seq)}: source rank {peer} wrote buckets "
-                                                     f"[{lo}, {hi}) of the pair, which this rank does not expect "
-                                                     "(again, or at all)")
-                        self._unpack(self._recvs[peer], lo, hi, dst, stats, ledger, fused, fusing=fusing)
-                        pending.difference_update(range(lo, hi))
-                        if not pending:
-                            del awaiting[peer]
-                        progress += 1
-                if progress:
-                    idle = 0
-                    continue
-                now = time.monotonic()
-                if self._aborted.is_set():
-                    raise RefitAborted(self._where(seq) + ": aborted; "
-                                       + self._missing(ready, queued, posted, awaiting, failed))
-                if deadline is not None and now >= deadline:
-                    raise RefitAborted(self._where(seq) + f": its deadline passed ({deadline - started:.3g}s in); "
-                                       + self._missing(ready, queued, posted, awaiting, failed))
-                if now - last_probe >= self.probe_interval_s:
-                    last_probe = now
-                    silent = {pair.peer for pair, _, _ in queued if pair.peer not in ready}
-                    silent |= set(awaiting)
-                    for peer in sorted(silent):
-                        try:
-                            self._notify(peer, self._msg(b"P", seq), "a liveness probe", seq)
-                        except _PeerFailed as e:
-                            fail(peer, e.why)
-                idle += 1
-                time.sleep(min(1e-3, 2e-6 * (1 << min(idle, 10))))
-            for key, buf in unsummed:
+            self._poll_round(rnd, pending=fl.pending, step=lambda: self._step(rnd, fl),
+                             probe=lambda: self._probe(rnd, fl),
+                             missing=lambda: self._missing(fl.ready, fl.queued, fl.posted, fl.awaiting, rnd.failed))
+            for key, buf in fl.unsummed:
                 ledger.sent(key, buf)
             if cuda:
                 if side is not None:
                     torch.cuda.current_stream(self.device).wait_stream(side)
                 torch.cuda.current_stream(self.device).synchronize()
         finally:
-            if temps:
-                for key in [k for k, (descs, _) in self._handles.items() if any(d[0] in temps for d in descs)]:
+            if fl.temps:
+                for key in [k for k, (descs, _) in self._handles.items() if any(d[0] in fl.temps for d in descs)]:
                     self._release_handles_key(key)
-                self._deregister(temps)
-        if failed:
-            raise RefitAborted(self._where(seq) + ": " + "; ".join(
-                f"rank {p} ({self._remotes[p].entry.agent_name}) failed: {why}" for p, why in sorted(failed.items()))
-                + ". The other peers' transfers completed.")
+                self._deregister(fl.temps)
+        self._raise_failed(rnd)
         stats.zero_copy_buckets = sum(s.staging is None for p in [*self._sends.values(), *self._recvs.values()]
                                       for s in p.slots)
         if ledger is not None:
             stats.checksums_sent, stats.checksums_received = ledger.settle()
-        stats.seconds = time.perf_counter() - t0
+        stats.seconds = time.perf_counter() - rnd.t0
         return stats
 
+    def _step(self, rnd: OneSidedRound, fl: _Flight) -> int:
+        """One poll of a refit: 'ready's in, a chunk packed, packed chunks posted, WRITEs
+        completed, buckets landed. Returns how many of these moved."""
+        progress = self._poll(rnd.seq)
+        for peer in self._sends:
+            if peer in fl.ready or peer in rnd.failed:
+                continue
+            for extra in self._take(b"R", rnd.seq, peer):
+                want = self._remotes[peer].entry.digest
+                if extra.decode() != want:
+                    raise NixlHandshakeError(
+                        f"{self._where(rnd.seq)}: receiver rank {peer} registered new receive buffers (its 'ready' "
+                        f"carries digest {extra.decode()}, the installed roster has {want}); relay its "
+                        "local_roster_entry() with update_membership() before the next refit")
+                fl.ready.add(peer)
+                progress += 1
+        if fl.to_pack:
+            pair, chunk = fl.to_pack.pop(0)
+            fl.queued.append((pair, chunk, self._pack_chunk(pair, chunk, fl.src, rnd.ledger, fl.corrupt, fl.temps,
+                                                            fl.unsummed, fl.fused, fusing=fl.fusing)))
+            progress += 1
+        for item in list(fl.queued):
+            pair, chunk, event = item
+            if pair.peer in rnd.failed:  # dropped by a failed post earlier in this poll
+                continue
+            if pair.peer in fl.ready and (event is None or event.query()):
+                fl.queued.remove(item)
+                try:
+                    fl.posted[(pair.peer, chunk.pos)] = self._post(pair, chunk, fl.src, rnd.seq)
+                except _PeerFailed as e:
+                    fl.fail(rnd, pair.peer, e.why)
+                progress += 1
+        return progress + self._complete_writes(rnd, fl) + self._land(rnd, fl)
+
+    def _complete_writes(self, rnd: OneSidedRound, fl: _Flight) -> int:
+        done = 0
+        for key in list(fl.posted):
+            if key not in fl.posted:
+                continue
+            try:
+                state = self._state(fl.posted[key], key[0], rnd.seq)
+            except _PeerFailed as e:
+                fl.fail(rnd, key[0], e.why)
+                continue
+            if state == "DONE":
+                del fl.posted[key]
+                chunk = self._sends[key[0]].chunks[key[1]]
+                rnd.stats.bytes_sent += chunk.nbytes
+                rnd.stats.buckets_sent += chunk.hi - chunk.lo
+                done += 1
+        return done
+
+    def _land(self, rnd: OneSidedRound, fl: _Flight) -> int:
+        """Unpack (or sum in place) what the sources said they wrote."""
+        landed = 0
+        for peer in list(fl.awaiting):
+            for extra in self._take(b"D", rnd.seq, peer):
+                lo, hi = (int(x) for x in extra.split(b"-"))
+                pending = fl.awaiting[peer]
+                if not set(range(lo, hi)) <= pending:
+                    raise NixlHandshakeError(f"{self._where(rnd.seq)}: source rank {peer} wrote buckets "
+                                             f"[{lo}, {hi}) of the pair, which this rank does not expect "
+                                             "(again, or at all)")
+                self._unpack(self._recvs[peer], lo, hi, fl.dst, rnd.stats, rnd.ledger, fl.fused, fusing=fl.fusing)
+                pending.difference_update(range(lo, hi))
+                if not pending:
+                    del fl.awaiting[peer]
+                landed += 1
+        return landed
+
+    def _probe(self, rnd: OneSidedRound, fl: _Flight) -> None:
+        """A liveness probe to every peer this rank still waits on; one that cannot be reached fails."""
+        silent = {pair.peer for pair, _, _ in fl.queued if pair.peer not in fl.ready}
+        silent |= set(fl.awaiting)
+        for peer in sorted(silent):
+            try:
+                self._notify(peer, self._msg(b"P", rnd.seq), "a liveness probe", rnd.seq)
+            except _PeerFailed as e:
+                fl.fail(rnd, peer, e.why)
+
     def _missing(self, ready, queued, posted, awaiting, failed) -> str:
-        parts = [f"rank {p} ({self._remotes[p].entry.agent_name}) failed: {why}" for p, why in sorted(failed.items())]
+        parts = [self._failures(failed)] if failed else []
         no_ready = sorted({pair.peer for pair, _, _ in queued if pair.peer not in ready})
         if no_ready:
             parts.append("no 'ready' from receiver rank(s) " + ", ".join(
@@ -816,6 +805,9 @@ class NixlTransport(OneSidedTransport):
                 f"{p} ({self._remotes[p].entry.agent_name}: {len(left)} of {len(self._recvs[p].slots)} buckets "
                 "missing)" for p, left in sorted(awaiting.items())))
         return "; ".join(parts) or "nothing outstanding"
+
+    def _peer_name(self, peer: int) -> str:
+        return self._remotes[peer].entry.agent_name
 
     def _check_dst(self, dst: Mapping[str, torch.Tensor]) -> None:
         moved = []

@@ -4,18 +4,24 @@ NIXL and the one-node IPC transport move a plan without a collective. Each rank 
 its peers, once per plan, where they write to it or read from it (a roster entry); the
 controller relays every entry to every rank under a new membership epoch. The checks of
 an installed roster, the one-time handshake through a process group, and the watchdog's
-interface (``set_deadline``, ``abort``) are the same for both, and live here.
+interface (``set_deadline``, ``abort``) are the same for both, and live here, as does
+the shape of one refit: the checks before it starts, and a loop that polls the peers
+without blocking on any one of them, so a dead or silent peer is named at the deadline,
+on an abort, or when a liveness probe finds it gone, while the other peers' work goes on.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from refit.comm.wire import register_record
-from refit.errors import RefitError, TransportError
+from refit.errors import RefitAborted, RefitError, TransportError
+from refit.transport.base import TransferStats
+from refit.transport.buckets import ChecksumLedger
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,19 @@ class RosterEntries:
 register_record(RosterEntries)
 
 
+@dataclass
+class OneSidedRound:
+    """One refit's bookkeeping: its sequence number, deadline, stats, ledger and failed peers."""
+
+    seq: int
+    started: float  # time.monotonic()
+    deadline: float | None
+    stats: TransferStats
+    ledger: ChecksumLedger | None
+    t0: float = field(default_factory=time.perf_counter)
+    failed: dict[int, str] = field(default_factory=dict)  # peer -> why; its work is dropped, the others' goes on
+
+
 class OneSidedTransport:
     """Base of ``NixlTransport`` and ``IpcTransport``; see the module docstring.
 
@@ -40,12 +59,21 @@ class OneSidedTransport:
 
     transport: ClassVar[str] = ""
     handshake_error: ClassVar[type[TransportError]] = TransportError
+    label: ClassVar[str] = ""  # the transport's name in messages
+    reregistered: ClassVar[str] = ""  # what this rank did that makes its installed roster entry stale
+    max_nap_s: ClassVar[float] = 1e-3  # the longest a waiting rank sleeps between polls
+    probe_interval_s: float
 
     def __init__(self, rank: int):
         self.rank = int(rank)
         self.epoch = -1
         self.plan = None
+        self.seq = 0  # refits run under the installed membership
+        self.runs = 0  # refits run in all
+        self.verify = True
+        self.timeout_s: float | None = None
         self._local_digest = ""
+        self._installed_digest: str | None = None
         self._aborted = threading.Event()
         self._deadline: float | None = None
         self._closed = False
@@ -107,6 +135,83 @@ class OneSidedTransport:
         self.update_membership(roster, self.epoch + 1 if epoch is None else epoch)
         return roster
 
+    # -- one refit --------------------------------------------------------------------------------
+    def _begin_round(self, *, timeout_s: float | None, verify: bool | None,
+                     check: Callable[[], None] = lambda: None) -> OneSidedRound:
+        """The checks every refit passes before any byte moves (then ``check``, the transport's
+        own), then its number and deadline. A refit refused here takes no sequence number, so
+        its peers still agree on the next one."""
+        self._check_open()
+        error = self.handshake_error
+        if self.plan is None:
+            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before run()")
+        if self._installed_digest is None or self.epoch < 0:
+            raise error(f"rank {self.rank}: no handshake yet: relay local_roster_entry() through "
+                        "update_membership() (or call handshake()) before run()")
+        if self._installed_digest != self._local_digest:
+            raise error(f"rank {self.rank}: {self.reregistered} since the roster of epoch {self.epoch} was "
+                        "installed; relay the new local_roster_entry() with update_membership() before run()")
+        if self._aborted.is_set():
+            raise RefitAborted(f"rank {self.rank}: this {self.label} transport was aborted; install a new "
+                               "membership (update_membership) before the next refit")
+        check()
+        verify = self.verify if verify is None else verify
+        seq = self.seq
+        self.seq += 1
+        self.runs += 1
+        started = time.monotonic()
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if limit is None else started + limit
+        if self._deadline is not None:
+            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
+        return OneSidedRound(seq, started, deadline, TransferStats(), ChecksumLedger() if verify else None)
+
+    def _poll_round(self, rnd: OneSidedRound, *, pending: Callable[[], bool], step: Callable[[], int],
+                    missing: Callable[[], str], probe: Callable[[], None],
+                    nap: Callable[[int], None] | None = None) -> None:
+        """Run ``step`` (returns how much it moved) until nothing is ``pending``.
+
+        While nothing moves, the round ends in ``RefitAborted`` naming what is ``missing``
+        on an abort or at its deadline; every ``probe_interval_s`` the silent peers are
+        probed (``probe`` marks the dead ones failed, which drops their work); in between
+        the rank naps, a little longer each idle poll, up to ``max_nap_s``.
+        """
+        last_probe = time.monotonic()
+        idle = 0
+        while pending():
+            if step():
+                idle = 0
+                continue
+            now = time.monotonic()
+            if self._aborted.is_set():
+                raise RefitAborted(self._where(rnd.seq) + ": aborted; " + missing())
+            if rnd.deadline is not None and now >= rnd.deadline:
+                raise RefitAborted(self._where(rnd.seq) + f": its deadline passed ({rnd.deadline - rnd.started:.3g}s "
+                                   "in); " + missing())
+            if now - last_probe >= self.probe_interval_s:
+                last_probe = now
+                probe()
+            idle += 1
+            if nap is not None:
+                nap(idle)
+            else:
+                time.sleep(min(self.max_nap_s, 2e-6 * (1 << min(idle, 10))))
+
+    def _raise_failed(self, rnd: OneSidedRound) -> None:
+        """A round in which peers failed ends here, naming each, once the others' work is done."""
+        if rnd.failed:
+            raise RefitAborted(self._where(rnd.seq) + ": " + self._failures(rnd.failed)
+                               + ". The other peers' transfers completed.")
+
+    def _failures(self, failed: Mapping[int, str]) -> str:
+        return "; ".join(f"rank {p} ({self._peer_name(p)}) failed: {why}" for p, why in sorted(failed.items()))
+
+    def _peer_name(self, peer: int) -> str:
+        raise NotImplementedError
+
+    def _where(self, seq: int) -> str:
+        return f"{self.label} refit (epoch {self.epoch}, seq {seq}) on rank {self.rank}"
+
     # -- deadline and abort (the watchdog's interface) ----------------------------------------
     def set_deadline(self, deadline: float | None) -> None:
         """``time.monotonic()`` by which ``run`` must end (``RefitAbortWatchdog`` sets it)."""
@@ -137,4 +242,4 @@ class OneSidedTransport:
         self.close()
 
 
-__all__ = ["OneSidedTransport", "RosterEntries"]
+__all__ = ["OneSidedRound", "OneSidedTransport", "RosterEntries"]

@@ -319,6 +319,40 @@ class _Schedule:
     windows: list[_Window] = field(default_factory=list)
 
 
+@dataclass
+class _Pass:
+    """One refit's state across its windows: what it reads and writes, and the fences it leaves."""
+
+    src: TensorMap
+    dst: TensorMap
+    sched: _Schedule
+    arena: StagingArena | None
+    lanes: Lanes
+    raw: bool
+    ledger: ChecksumLedger | None
+    corrupt: Corruption | None
+    production: SourceProduction | None
+    stats: TransferStats
+    t0: float
+    marks: dict = field(default_factory=dict)
+    host_fences: list = field(default_factory=list)  # gloo: every window's works, waited at the end at the latest
+    last_comm: Fence | None = None
+    last_unpack: Fence | None = None
+
+
+@dataclass
+class _WindowWork:
+    """One window's buckets: its wire ops by round, and which are staged or go from the tensor itself."""
+
+    per_round: list = field(default_factory=list)  # (round, receive ops, send ops)
+    unpacks: list = field(default_factory=list)  # (bucket, staged view) received, to unpack
+    direct_received: list = field(default_factory=list)  # (bucket, view of the destination)
+    staged_sends: list = field(default_factory=list)  # (bucket, staged view) to pack
+    direct_sends: list = field(default_factory=list)  # (bucket, view of the source)
+    send_slots: list = field(default_factory=list)
+    recv_slots: list = field(default_factory=list)
+
+
 def _post_ops(buckets: list[Bucket], views: dict, arena: StagingArena | None, lanes: Lanes, raw: bool,
               slots: list, staged: list, direct: list) -> list:
     """The wire ops of one round's ``buckets`` (one side): a bucket with a view of its own tensor
@@ -432,126 +466,147 @@ class StreamedExecutor(Executor):
     # -- run -------------------------------------------------------------------------------------
     def _run(self, *, verify: bool, corrupt: Corruption | None,
              production: SourceProduction | None = None) -> TransferStats:
-        stats = TransferStats()
         t0 = time.perf_counter()
         lanes = self._lanes
         lanes.refresh()
-        src, dst = self.src, self.dst
-        sched = self._schedule if corrupt is None else self._classify(src, dst, staged_sends=True)
-        ledger = ChecksumLedger() if verify else None
+        sched = self._schedule if corrupt is None else self._classify(self.src, self.dst, staged_sends=True)
         # raw: hand NCCL addresses and sizes, no tensor views (refit's own NCCL communicator)
         raw = lanes.cuda and getattr(self.comm, "nccl_comm", None) is not None
         arena = self._arena_for(sched, lanes)
         if arena is not None:
             arena.reset_peak()
+        p = _Pass(self.src, self.dst, sched, arena, lanes, raw, ChecksumLedger() if verify else None, corrupt,
+                  production, TransferStats(), t0)
+        stats = p.stats
         stats.zero_copy_buckets = sum(v is not None for v in sched.send_views.values())
         stats.zero_copy_buckets += sum(v is not None for v in sched.recv_views.values())
         if raw:
             self.comm.connect_peers(self.plan.peers())
-        marks = {}
         if self.timing and lanes.cuda:  # CUDA events: caller's stream at start, comm lane around the groups
-            marks = {k: torch.cuda.Event(enable_timing=True) for k in ("begin", "first_group", "last_group")}
-            marks["begin"].record(lanes.current)
+            p.marks = {k: torch.cuda.Event(enable_timing=True) for k in ("begin", "first_group", "last_group")}
+            p.marks["begin"].record(lanes.current)
         stats.timing["setup_s"] = time.perf_counter() - t0
         lanes.begin()
         local_names = dict.fromkeys(op.name for op in self.plan.local)
         made_locally = production is not None and any(production.waiting(n) for n in local_names)
         if not made_locally:  # otherwise after the last window: making them first would delay the wire
             with lanes.on("unpack"):
-                stats.local_bytes = local_copies(self.plan, src, dst)
-        last_comm = last_unpack = None
-        host_fences: list[Fence] = []  # gloo: every window's works, waited at the end at the latest
+                stats.local_bytes = local_copies(self.plan, p.src, p.dst)
         for w in sched.windows:
-            per_round, unpacks, direct_received, send_slots, recv_slots = [], [], [], [], []
-            staged_sends, direct_sends = [], []
-            for r in w.rounds:
-                recvs, sends = self._recv_by_round.get(r, []), self._send_by_round.get(r, [])
-                recv_ops = _post_ops(recvs, sched.recv_views, arena, lanes, raw, recv_slots, unpacks, direct_received)
-                send_ops = _post_ops(sends, sched.send_views, arena, lanes, raw, send_slots, staged_sends, direct_sends)
-                stats.bytes_received += sum(b.nbytes for b in recvs)
-                stats.buckets_received += len(recvs)
-                stats.bytes_sent += sum(b.nbytes for b in sends)
-                stats.buckets_sent += len(sends)
-                per_round.append((r, recv_ops, send_ops))
-            made = False
-            if production is not None:
-                with lanes.on("pack"):
-                    made = production.produce(op_names([b for b, _ in staged_sends + direct_sends]))
-            if staged_sends:
-                with lanes.on("pack"):
-                    for b, view in staged_sends:
-                        pack_bucket(b, src, view, ledger=ledger, key=(b.peer, b.index))
-                        if corrupt is not None:
-                            corrupt(b.peer, b.index, view)
-            if staged_sends or made:
-                packed = lanes.record("pack")
-                lanes.wait("comm", packed)
-                if made and ledger is not None:
-                    # the unpack lane sums direct sends, of this window or a later one, from
-                    # tensors made here: it waits whenever something was made
-                    lanes.wait("unpack", packed)
-            if ledger is not None and direct_sends:
-                # blocks sent from the tensors themselves: summed beside the wire, not ahead of it
-                # (the group never waits for them; nothing writes the sources during a refit)
-                with lanes.on("unpack"):
-                    for b, view in direct_sends:
-                        ledger.sent((b.peer, b.index), view)
-            works: list[Any] = []
-            if stats.groups == 0:
-                if marks:
-                    marks["first_group"].record(lanes.comm_s)
-                stats.timing["first_group_queued_s"] = time.perf_counter() - t0
-            with lanes.on("comm"):
-                if lanes.cuda:  # one NCCL group for the whole window
-                    recv_all = [op for _, rv, _ in per_round for op in rv]
-                    send_all = [op for _, _, sd in per_round for op in sd]
-                    if raw:
-                        self.comm.p2p_group_raw(recv_all, send_all, stream=lanes.comm_s)
-                    else:
-                        works += self.comm.p2p_group(recv_all, send_all, stream=lanes.comm_s)
-                else:  # gloo: tag each round, so pairs never mix up messages
-                    for r, rv, sd in per_round:
-                        works += self.comm.p2p_group(rv, sd, tag=r)
-            last_comm = lanes.record("comm", works)
-            if works:
-                host_fences.append(last_comm)
-            stats.groups += 1
-            for s_ in send_slots:
-                s_.fence = last_comm
-            if unpacks or (ledger is not None and direct_received):
-                lanes.wait("unpack", last_comm)
-                with lanes.on("unpack"):
-                    if ledger is not None:
-                        for b, view in direct_received:
-                            ledger.received((b.peer, b.index), view)
-                    for b, view in unpacks:
-                        unpack_bucket(b, view, dst, ledger=ledger, key=(b.peer, b.index))
-                last_unpack = lanes.record("unpack")
-                for s_ in recv_slots:
-                    s_.fence = last_unpack
+            work = self._post_window(w, p)
+            self._pack_window(work, p)
+            self._send_window(work, p)
+            self._unpack_window(work, p)
         if made_locally:
             with lanes.on("pack"):
                 production.produce(local_names)
             lanes.wait("unpack", lanes.record("pack"))
             with lanes.on("unpack"):
-                stats.local_bytes = local_copies(self.plan, src, dst)
-        if marks:
-            marks["last_group"].record(lanes.comm_s)
-            stats.timing["events"] = marks
+                stats.local_bytes = local_copies(self.plan, p.src, p.dst)
+        if p.marks:
+            p.marks["last_group"].record(lanes.comm_s)
+            stats.timing["events"] = p.marks
         stats.timing["enqueue_s"] = time.perf_counter() - t0
         # the unpack lane also carries local copies and checksums of direct sends: the caller waits for it
-        local_fence = lanes.record("unpack") if (self.plan.local or ledger is not None) else None
-        finals = host_fences + [f for f in (last_comm, last_unpack, local_fence) if f is not None]
+        local_fence = lanes.record("unpack") if (self.plan.local or p.ledger is not None) else None
+        finals = p.host_fences + [f for f in (p.last_comm, p.last_unpack, local_fence) if f is not None]
         lanes.join(finals)
         stats.peak_staging_bytes = arena.peak if arena is not None else 0
         stats.staging_capacity_bytes = sched.capacity if arena is not None else 0
-        if self.sync or ledger is not None:
+        if self.sync or p.ledger is not None:
             for f in finals:
                 lanes.host_wait(f, f"rank {self.plan.rank}: refit transfer")
-            if ledger is not None:
-                stats.checksums_sent, stats.checksums_received = ledger.settle()
+            if p.ledger is not None:
+                stats.checksums_sent, stats.checksums_received = p.ledger.settle()
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _post_window(self, w: _Window, p: _Pass) -> _WindowWork:
+        """The wire ops of a window's rounds, with a staging slot for each bucket that needs one."""
+        work = _WindowWork()
+        for r in w.rounds:
+            recvs, sends = self._recv_by_round.get(r, []), self._send_by_round.get(r, [])
+            recv_ops = _post_ops(recvs, p.sched.recv_views, p.arena, p.lanes, p.raw, work.recv_slots, work.unpacks,
+                                 work.direct_received)
+            send_ops = _post_ops(sends, p.sched.send_views, p.arena, p.lanes, p.raw, work.send_slots,
+                                 work.staged_sends, work.direct_sends)
+            p.stats.bytes_received += sum(b.nbytes for b in recvs)
+            p.stats.buckets_received += len(recvs)
+            p.stats.bytes_sent += sum(b.nbytes for b in sends)
+            p.stats.buckets_sent += len(sends)
+            work.per_round.append((r, recv_ops, send_ops))
+        return work
+
+    @staticmethod
+    def _pack_window(work: _WindowWork, p: _Pass) -> None:
+        """Make the window's sources, pack its staged sends, and sum its direct ones beside the wire."""
+        lanes, ledger = p.lanes, p.ledger
+        made = False
+        if p.production is not None:
+            with lanes.on("pack"):
+                made = p.production.produce(op_names([b for b, _ in work.staged_sends + work.direct_sends]))
+        if work.staged_sends:
+            with lanes.on("pack"):
+                for b, view in work.staged_sends:
+                    pack_bucket(b, p.src, view, ledger=ledger, key=(b.peer, b.index))
+                    if p.corrupt is not None:
+                        p.corrupt(b.peer, b.index, view)
+        if work.staged_sends or made:
+            packed = lanes.record("pack")
+            lanes.wait("comm", packed)
+            if made and ledger is not None:
+                # the unpack lane sums direct sends, of this window or a later one, from
+                # tensors made here: it waits whenever something was made
+                lanes.wait("unpack", packed)
+        if ledger is not None and work.direct_sends:
+            # blocks sent from the tensors themselves: summed beside the wire, not ahead of it
+            # (the group never waits for them; nothing writes the sources during a refit)
+            with lanes.on("unpack"):
+                for b, view in work.direct_sends:
+                    ledger.sent((b.peer, b.index), view)
+
+    def _send_window(self, work: _WindowWork, p: _Pass) -> None:
+        """The window's wire: one NCCL group on a GPU, a tagged group per round over gloo."""
+        lanes, stats = p.lanes, p.stats
+        works: list[Any] = []
+        if stats.groups == 0:
+            if p.marks:
+                p.marks["first_group"].record(lanes.comm_s)
+            stats.timing["first_group_queued_s"] = time.perf_counter() - p.t0
+        with lanes.on("comm"):
+            if lanes.cuda:  # one NCCL group for the whole window
+                recv_all = [op for _, rv, _ in work.per_round for op in rv]
+                send_all = [op for _, _, sd in work.per_round for op in sd]
+                if p.raw:
+                    self.comm.p2p_group_raw(recv_all, send_all, stream=lanes.comm_s)
+                else:
+                    works += self.comm.p2p_group(recv_all, send_all, stream=lanes.comm_s)
+            else:  # gloo: tag each round, so pairs never mix up messages
+                for r, rv, sd in work.per_round:
+                    works += self.comm.p2p_group(rv, sd, tag=r)
+        p.last_comm = lanes.record("comm", works)
+        if works:
+            p.host_fences.append(p.last_comm)
+        stats.groups += 1
+        for slot in work.send_slots:
+            slot.fence = p.last_comm
+
+    @staticmethod
+    def _unpack_window(work: _WindowWork, p: _Pass) -> None:
+        """After the window's group: sum what landed in place, unpack the staged receives."""
+        lanes, ledger = p.lanes, p.ledger
+        if not (work.unpacks or (ledger is not None and work.direct_received)):
+            return
+        lanes.wait("unpack", p.last_comm)
+        with lanes.on("unpack"):
+            if ledger is not None:
+                for b, view in work.direct_received:
+                    ledger.received((b.peer, b.index), view)
+            for b, view in work.unpacks:
+                unpack_bucket(b, view, p.dst, ledger=ledger, key=(b.peer, b.index))
+        p.last_unpack = lanes.record("unpack")
+        for slot in work.recv_slots:
+            slot.fence = p.last_unpack
 
     def _release(self) -> None:
         self._schedule = None
