@@ -277,10 +277,11 @@ class _SynchronizerBase(Recovery):
             return {m.rank: reply for m, reply in replies.items()}
 
         options = PlanOptions(mode=self.mode, bucket_bytes=self.bucket_bytes, transport=choice)
-        built = connect_and_prepare(run, specs, options, labels={m.rank: m.label for m in members},
-                                    check_index=lambda index: self._check_coverage(index, members), share=self._share)
+        prepared = connect_and_prepare(run, specs, options, labels={m.rank: m.label for m in members},
+                                       check_index=lambda index: self._check_coverage(index, members),
+                                       share=self._share)
         # what each bucket carries only changes with the plan: kept for the verification reports
-        self._bucket_params = dict(built.prepared)
+        self._bucket_params = prepared
         if choice.one_sided:
             # every rank registers (NIXL) or exports (IPC) its memory for the new plan; the
             # controller relays the roster: new peers are loaded or mapped point to point

@@ -20,7 +20,7 @@ from refit.runtime.protocol import Connect, EndpointCall, Prepare, Prepared
 from refit.runtime.shards import ConnectSpec
 from refit.transport.factory import COMMUNICATOR, TransportChoice
 
-__all__ = ["Built", "PlanOptions", "RunStep", "connect_and_prepare"]
+__all__ = ["PlanOptions", "RunStep", "connect_and_prepare"]
 
 #: run one step: each rank's call (by rank) and the step's phase -> the replies the driver sees, by rank
 RunStep = Callable[[Mapping[int, EndpointCall], str], dict[int, object]]
@@ -35,19 +35,12 @@ class PlanOptions:
     transport: TransportChoice = COMMUNICATOR  # the communicator, unless the controller chose otherwise
 
 
-@dataclass(frozen=True)
-class Built:
-    """A build's merged index and what each rank the driver sees prepared."""
-
-    index: ParamIndex
-    prepared: Mapping[int, Prepared]
-
-
 def connect_and_prepare(run: RunStep, specs: Mapping[int, ConnectSpec], options: PlanOptions, *,
                         labels: Mapping[int, str] | None = None,
                         check_index: Callable[[ParamIndex], None] | None = None,
-                        share: Callable[[ParamIndex], object] | None = None) -> Built:
-    """Connect the ranks of ``specs``, merge every rank's roster, prepare each rank's plan.
+                        share: Callable[[ParamIndex], object] | None = None) -> dict[int, Prepared]:
+    """Connect the ranks of ``specs``, merge every rank's roster, prepare each rank's plan;
+    returns what each rank the driver sees prepared.
 
     ``run`` must return every rank's roster for the connect step (a peer gathers them over
     its communicator); for the prepare step, the replies of the ranks it ran. ``labels``
@@ -69,5 +62,4 @@ def connect_and_prepare(run: RunStep, specs: Mapping[int, ConnectSpec], options:
     shared = index if share is None else share(index)
     prepare = Prepare(shared, epoch=epoch, mode=options.mode, bucket_bytes=options.bucket_bytes,
                       transport=options.transport)
-    prepared = run({rank: prepare for rank in specs}, "prepare")
-    return Built(index, prepared)
+    return dict(run({rank: prepare for rank in specs}, "prepare"))

@@ -48,7 +48,7 @@ from refit.runtime.protocol import CommitReadiness, EndpointCall, Prepared, Tran
 from refit.runtime.shards import ConnectSpec, LocalShard, as_local_shard, call_deadline
 from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 from refit.runtime.weights_state import WeightsState
-from refit.transport.base import Executor, TransferStats
+from refit.transport.base import Executor, TransferStats, tensor_identity
 from refit.transport.broadcast import BroadcastPlan
 from refit.transport.casts import find_overflows
 from refit.transport.factory import COMMUNICATOR, Channels, TransportChoice
@@ -72,12 +72,10 @@ class _State:
     shards: dict[str, LocalShard] = field(default_factory=dict)  # what refit_connect saw, for refit_prepare
     mode: str = "reshard"
     executor: Executor | None = None  # made with the plan, reused every transfer of this build
-    bound: dict[str, int] = field(default_factory=dict)  # id() of each local tensor the executor is bound to
+    bound: tuple = ()  # tensor_identity of the local tensors the executor is bound to
     plans: PlanCache = field(default_factory=lambda: PlanCache(max_entries=4))
     fault: OneShotCorruption | None = None
     loaded_epoch: int = -1
-    # the transport object of a one-sided transport (NixlTransport for "nixl", IpcTransport for
-    # "ipc"): it outlives plans, and its roster entries are relayed by the controller
     transport: TransportChoice = COMMUNICATOR  # the build's, as the controller chose it
     channels: Channels = field(default_factory=Channels)  # one-sided channels: they outlive plans
     quantized: Any = None  # refit.runtime.fp8_sources.QuantizedSources: what this trainer rank sends in FP8
@@ -115,13 +113,13 @@ class RefitEndpointBase:
     def _refit_tensors(self) -> dict[str, LocalShard]:
         raise NotImplementedError
 
-    def _refit_local(self) -> dict[str, torch.Tensor]:
-        """This rank's local tensors for a transfer.
+    def _refit_local(self) -> tuple[dict[str, torch.Tensor], bool]:
+        """This rank's local tensors for a transfer, and whether the executor must rebind to them.
 
-        The executor is bound to the tensors it was prepared with, so a transfer only
-        checks that it is handed the same tensor objects. A parameter replaced since (a
-        trainer may swap its tensors between steps) is checked against the layout reported
-        at connect time, and the executor rebinds to it.
+        This is the one check of tensor identity on a transfer: the executor is bound to the
+        tensors (objects and storage) it was prepared with, and runs with them unchecked. A
+        parameter replaced since (a trainer may swap its tensors, or their ``.data``, between
+        steps) is checked against the layout reported at connect time, before any byte moves.
         """
         st = self._refit_state()
         shards = self._refit_tensors()
@@ -129,10 +127,10 @@ class RefitEndpointBase:
         for name in st.layouts:
             value = shards.get(name)
             out[name] = None if value is None else as_local_shard(name, value).tensor
-        if {n: id(t) for n, t in out.items()} != st.bound:
+        rebind = tensor_identity(out) != st.bound
+        if rebind:
             self._refit_check_local(out)
-            st.bound = {n: id(t) for n, t in out.items()}
-        return out
+        return out, rebind
 
     def _refit_check_local(self, local: Mapping[str, torch.Tensor | None]) -> None:
         st = self._refit_state()
@@ -155,7 +153,7 @@ class RefitEndpointBase:
     def _refit_drop_group(self, *, collect: bool = False) -> None:
         st = self._refit_state()
         group, st.group = st.group, None
-        executor, st.executor, st.bound = st.executor, None, {}
+        executor, st.executor, st.bound = st.executor, None, ()
         if executor is not None:
             executor.close()
         if group is not None:
@@ -323,7 +321,7 @@ class RefitEndpointBase:
                 st.executor.close()
                 st.executor = None
             local = {n: shard.tensor for n, shard in st.shards.items()}
-            bound = {n: id(t) for n, t in local.items()}
+            bound = tensor_identity(local)
             st.quantized, st.narrowing = None, {}
             if self._refit_role == "src":
                 st.quantized, st.narrowing, local = plan_sources(index, rank, local, block=self.refit_fp8_block,
@@ -436,14 +434,18 @@ class RefitEndpointBase:
             abortable.append(st.group)  # the block amaxes are merged over the communicator
         with RefitAbortWatchdog(abortable, timeout_s):
             self.on_refit_start()
-            src, dst = self._refit_sides(self._refit_local())
+            local, rebind = self._refit_local()
+            src, dst = self._refit_sides(local)
             overflows = find_overflows(st.narrowing, src, st.spec.rank) if st.narrowing else []
             quantization = None
             if st.quantized is not None:  # the scales now, the FP8 weights as the executor reaches them
                 quantization = st.quantized.begin(src, st.group)
                 src = quantization.tensors
+            if rebind:
+                st.executor.prepare(src, dst)
+                st.bound = tensor_identity(local)
             fault, st.fault = st.fault, None
-            stats = st.executor.run(src, dst, verify=verify, corrupt=fault, production=quantization)
+            stats = st.executor.run(verify=verify, corrupt=fault, production=quantization)
             if quantization is not None:
                 stats.timing["quantize"] = quantization.report()
             stats.cast_overflows = overflows
@@ -460,7 +462,7 @@ class RefitEndpointBase:
             self._refit_check_epoch(epoch, "refit_cast_overflows")
             if not st.narrowing:
                 return []
-            src, _ = self._refit_sides(self._refit_local())
+            src, _ = self._refit_sides(self._refit_local()[0])
             return [str(o) for o in find_overflows(st.narrowing, src, st.spec.rank)]
 
     def refit_prepare_commit(self, epoch: int) -> CommitReadiness:

@@ -57,10 +57,12 @@ class Binding:
 
     @staticmethod
     def of(src: TensorMap, dst: TensorMap) -> Binding:
-        def key(tensors: TensorMap) -> tuple[tuple[str, int, int], ...]:
-            return tuple((n, id(t), t.data_ptr()) for n, t in tensors.items())
+        return Binding(tensor_identity(src), tensor_identity(dst))
 
-        return Binding(key(src), key(dst))
+
+def tensor_identity(tensors: Mapping[str, torch.Tensor | None]) -> tuple[tuple[str, int, int], ...]:
+    """Each tensor's name, object and storage: what an executor bound to them reads and writes."""
+    return tuple((n, 0, 0) if t is None else (n, id(t), t.data_ptr()) for n, t in tensors.items())
 
 
 def device_of(src: TensorMap, dst: TensorMap) -> torch.device:
@@ -193,4 +195,4 @@ class Executor(abc.ABC):
 
 
 __all__ = ["Binding", "Corruption", "Executor", "SourceProduction", "TensorMap", "TransferStats", "device_of",
-           "op_names", "require_tensors"]
+           "op_names", "require_tensors", "tensor_identity"]

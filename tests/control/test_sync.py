@@ -481,6 +481,31 @@ def test_an_engine_tensor_that_changed_shape_heads_the_error_not_a_trainer(synce
     assert err.failures["shard 1 worker 0"].startswith("PlanError: ")
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["communicator", "ipc"])
+@pytest.mark.parametrize("how", ["new tensor", "new storage"])
+def test_a_trainer_that_replaces_its_tensors_between_syncs_sends_the_new_ones(synced, how, transport):
+    """A trainer may replace a parameter between steps, by a new tensor or by new storage under the
+    same tensor (``.data``): the transfer rebinds to it, and the engines get its values, not those of
+    the storage the plan was bound to (kept alive here, holding the step before). IPC peers read
+    the storage a source exported, so there new storage must be exported again too."""
+    kw = {"transport": "ipc"} if transport == "ipc" else {}
+    sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 2, 2, 1, **kw)
+    set_step(trainers, 1)
+    assert sync.sync_weights().verified
+    kept = []
+    for tr in trainers:
+        for name, t in list(tr.params.items()):
+            kept.append(t.data)
+            if how == "new tensor":
+                tr.params[name] = t.clone()
+            else:
+                t.data = t.data.clone()
+    set_step(trainers, 2)
+    assert sync.sync_weights().verified
+    assert wrong_weights(engines, 2) == {}
+
+
 @pytest.mark.timeout(60)
 def test_an_integer_engine_for_float_params_is_refused_by_name_before_any_byte_moves(synced):
     sync, trainers, engines = synced(refit.ReshardWeightSynchronizer, 2, 1, 2, engine_kw={"dtype": "int8"})

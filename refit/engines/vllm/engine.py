@@ -48,7 +48,7 @@ from refit.errors import InconsistentWeights, RefitError
 from refit.runtime.handles import FuturePending, WorkerDied, pid_alive
 from refit.runtime.protocol import Commit, EndpointCall, Transfer
 
-__all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost"]
+__all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost", "fetched"]
 
 TEARDOWN_GRACE_S = 1.0
 

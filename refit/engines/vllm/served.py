@@ -36,8 +36,9 @@ import contextlib
 import gc
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -369,9 +370,9 @@ class ServedCheck:
                     report.unchecked.append(f"{layer.name} ({layer.why_unchecked})")
                     continue
                 report.checked += 1
-                check = getattr(self, "_" + layer.kind.replace(" ", "_"))
+                check = self._CHECKS[layer.kind]
                 t1 = time.perf_counter()
-                report.mismatches.extend(check(layer, received, salt))
+                report.mismatches.extend(check(self, layer, received, salt))
                 report.seconds_by_kind[layer.kind] = (report.seconds_by_kind.get(layer.kind, 0.0)
                                                       + time.perf_counter() - t1)
         report.seconds = time.perf_counter() - t0
@@ -434,7 +435,6 @@ class ServedCheck:
                                          f"{_first_difference(actual, expected)}"))
         return out
 
-    _output_head = _linear
 
     def _embedding(self, layer: _Layer, received: Mapping[str, torch.Tensor], salt: int) -> list[LayerMismatch]:
         out = []
@@ -523,6 +523,12 @@ class ServedCheck:
                                          f"{float(err[i].max()):.3g}, beyond rounding "
                                          f"({_EXPERT_RTOL.get(dtype, 1e-4):g} relative)"))
         return out
+
+    # the check of each kind of layer, named where a reader can follow it
+    _CHECKS: ClassVar[dict[str, Callable[..., list[LayerMismatch]]]] = {
+        "linear": _linear, "output head": _linear, "embedding": _embedding, "parameters": _parameters,
+        "experts": _experts,
+    }
 
 
 def _global_experts(module: torch.nn.Module) -> dict[int, int]:

@@ -504,12 +504,13 @@ class _Party:
             return dict(enumerate(self.endpoint.refit_all_gather(reply, deadline - time.monotonic())))
 
         try:
-            built = connect_and_prepare(run, {seat.rank: spec}, PlanOptions(bucket_bytes=self.bucket_bytes),
-                                        labels={r: label for r, (label, _) in self.labels.items()})
+            prepared_by_rank = connect_and_prepare(
+                run, {seat.rank: spec}, PlanOptions(bucket_bytes=self.bucket_bytes),
+                labels={r: label for r, (label, _) in self.labels.items()})
         except Exception:
             self.endpoint.refit_teardown()  # releases the peers blocked on this rank
             raise
-        prepared = built.prepared[seat.rank]
+        prepared = prepared_by_rank[seat.rank]
         self.params = {"send_params": prepared.send_params, "recv_params": prepared.recv_params}
         self.build = build
 
