@@ -31,6 +31,7 @@ from refit.testing.hf import (
     tiny_qwen3_config,
     tiny_qwen3_moe_config,
 )
+from refit.testing.launch import scaled
 
 __all__ = ["VllmFleet", "reference_logprobs", "versioned_greedy", "vllm_gemma_config", "vllm_llama_config",
            "vllm_qwen2_config", "vllm_qwen3_config", "vllm_qwen3_moe_config"]
@@ -139,7 +140,7 @@ class VllmFleet:
     """
 
     def __init__(self, engine_tp: Sequence[int] = (1, 2), *, dp: int = 2, tp: int = 2, config: Any = None,
-                 receive_mode: str = "auto", start_timeout_s: float = 900.0, cpus: int | None = None,
+                 receive_mode: str = "auto", start_timeout_s: float | None = None, cpus: int | None = None,
                  kv_cache_gib: int = 1, model_dir: str | None = None, serving: str = "offline",
                  trainer_lr: float | None = None, expert_parallel: bool | Sequence[bool] = False,
                  engine_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
@@ -174,7 +175,8 @@ class VllmFleet:
         if len(self.engine_options) != len(self.engine_tp):
             raise RefitError(f"engine_options gives {len(self.engine_options)} engines, engine_tp "
                              f"{len(self.engine_tp)}")
-        self.start_timeout_s = start_timeout_s
+        # an engine's start takes minutes on a busy machine: the default wait scales with the load
+        self.start_timeout_s = scaled(900.0) if start_timeout_s is None else start_timeout_s
         self.cpus = cpus or os.cpu_count() or 1
         self.kv_cache_gib = kv_cache_gib
         self.world = dp * tp
