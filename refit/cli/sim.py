@@ -165,12 +165,6 @@ class RankTraffic:
         return max(self.ports[phase][p] / topo.bandwidth(p) for p in PORTS)
 
 
-def _direct(b) -> bool:
-    """A bucket the transport sends from / receives into the tensor itself, posted with all
-    the others up front: it costs bandwidth but no round of its own."""
-    return len(b.ops) == 1 and b.ops[0].direct
-
-
 def traffic_of(plan: RankPlan, topo: Topology) -> RankTraffic:
     """Bytes per port and phase of one rank's plan on ``topo`` (one pass over its buckets)."""
     t = RankTraffic(plan.rank)
