@@ -180,6 +180,10 @@ def test_a_stranger_in_a_rebuild_is_the_headline_error_and_the_next_sync_verifie
         assert isinstance(err, RendezvousTampered)
         assert err.seen_by == "trainer rank 0" and err.rank == 0  # the store's host saw it
         assert "did not prove it holds the build's secret" in str(err) and "frozen" not in str(err)
+        # the stranger's worker may still be inside the tampered build's rendezvous, which it leaves at
+        # its connect deadline: a call queued behind it tells when it is free. Sent earlier, the next
+        # sync's connect would start past its own deadline there, and be abandoned as late.
+        sync.engine_workers[1][0].call("refit_ping").result(scaled(60.0))
         _step(trainers, 2)
         res = sync.sync_weights()  # a fresh secret, nonce and port
         assert res.verified and res.rebuilt
