@@ -113,8 +113,9 @@ class RefitEndpointBase:
     def _refit_tensors(self) -> dict[str, LocalShard]:
         raise NotImplementedError
 
-    def _refit_local(self) -> tuple[dict[str, torch.Tensor], bool]:
-        """This rank's local tensors for a transfer, and whether the executor must rebind to them.
+    def _refit_local(self) -> tuple[dict[str, torch.Tensor], tuple | None]:
+        """This rank's local tensors for a transfer, and their ``tensor_identity`` when the executor
+        must rebind to them (None when it is bound to them already).
 
         This is the one check of tensor identity on a transfer: the executor is bound to the
         tensors (objects and storage) it was prepared with, and runs with them unchecked. A
@@ -127,10 +128,11 @@ class RefitEndpointBase:
         for name in st.layouts:
             value = shards.get(name)
             out[name] = None if value is None else as_local_shard(name, value).tensor
-        rebind = tensor_identity(out) != st.bound
-        if rebind:
-            self._refit_check_local(out)
-        return out, rebind
+        identity = tensor_identity(out)
+        if identity == st.bound:
+            return out, None
+        self._refit_check_local(out)
+        return out, identity
 
     def _refit_check_local(self, local: Mapping[str, torch.Tensor | None]) -> None:
         st = self._refit_state()
@@ -441,9 +443,9 @@ class RefitEndpointBase:
             if st.quantized is not None:  # the scales now, the FP8 weights as the executor reaches them
                 quantization = st.quantized.begin(src, st.group)
                 src = quantization.tensors
-            if rebind:
+            if rebind is not None:
                 st.executor.prepare(src, dst)
-                st.bound = tensor_identity(local)
+                st.bound = rebind
             fault, st.fault = st.fault, None
             stats = st.executor.run(verify=verify, corrupt=fault, production=quantization)
             if quantization is not None:

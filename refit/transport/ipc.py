@@ -922,7 +922,7 @@ class IpcTransport(OneSidedTransport):
             if landing and not awaiting and not unreported and len(landing) == 1:
                 next(iter(landing.values())).synchronize()  # only this rank's own copies are left
             else:
-                time.sleep(min(MAX_NAP_S, 2e-6 * (1 << min(idle, 10))))
+                self._nap(idle)
 
         self._poll_round(rnd, pending=lambda: bool(awaiting or landing or unreported), step=step,
                          missing=lambda: self._missing(awaiting, unreported, rnd.failed), probe=probe, nap=nap)

@@ -192,10 +192,11 @@ class OneSidedTransport:
                 last_probe = now
                 probe()
             idle += 1
-            if nap is not None:
-                nap(idle)
-            else:
-                time.sleep(min(self.max_nap_s, 2e-6 * (1 << min(idle, 10))))
+            (nap or self._nap)(idle)
+
+    def _nap(self, idle: int) -> None:
+        """Sleep between two idle polls: a little longer each time, up to ``max_nap_s``."""
+        time.sleep(min(self.max_nap_s, 2e-6 * (1 << min(idle, 10))))
 
     def _raise_failed(self, rnd: OneSidedRound) -> None:
         """A round in which peers failed ends here, naming each, once the others' work is done."""
