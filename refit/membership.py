@@ -128,7 +128,7 @@ def plan_refit_membership(
     """Lay out a refit communicator that contains only the surviving generation shards.
 
     Survivors are packed contiguously from the start of the generation block, in shard
-    order, instead of keeping a hole where a dead shard used to be. The hole would not
+    order, instead of keeping a hole where a dead shard was. The hole would not
     be harmless: the reshard transport sizes its destination mesh as a plain range of
     ranks starting at the generation offset, so a gap shifts every later rank onto
     slices it does not own. Packing is also what shrinking a live communicator does,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 from refit.control.errors import (
     EveryShardLost,
@@ -27,7 +26,7 @@ from refit.control.rounds import Member
 from refit.control.settle import settle_before_propagating
 from refit.errors import RefitError
 from refit.membership import NoSurvivingShards
-from refit.runtime.handles import WorkerDied, send_requests
+from refit.runtime.handles import Sent, WorkerDied, send_requests
 from refit.runtime.protocol import FailureKind, Ping, WeightsState
 
 __all__ = ["Recovery", "raise_if_refused"]
@@ -73,18 +72,15 @@ class Recovery:
                     if shards is None or s in shards]
         dead = [m for m in workers if m.worker.is_dead()]
         pings = self._rounds.request_all([m for m in workers if m not in dead], Ping())
-        settle_before_propagating(list(pings.values()), self.ping_timeout_s, "liveness probe")
+        settle_before_propagating([s.pending for s in pings], self.ping_timeout_s, "liveness probe")
         silent = []
-        for m, p in pings.items():
-            if not p.done():
-                (dead if m.worker.is_dead() else silent).append(m)
+        for s in pings:
+            if not s.done():
+                for m in s.keys:
+                    (dead if m.worker.is_dead() else silent).append(m)
                 continue
-            try:
-                p.result(0)
-            except WorkerDied:
-                dead.append(m)
-            except Exception:  # it answered, with an error: alive
-                pass
+            # an answer with an error is alive; a ping that failed because the process is gone is not
+            dead += [o.key for o in s.outcomes() if not o.ok and isinstance(o.value, WorkerDied)]
         return dead, silent
 
     def _recover_and_retry(self, failure: RefitWorkerError, rec: Recorder) -> None:
@@ -273,24 +269,25 @@ class Recovery:
         # every worker is asked at once: an engine that reaches its workers together gets one message
         workers = {f"shard {s} worker {i}": w for s, ws in enumerate(self._engines) for i, w in enumerate(ws)
                    if not w.is_dead()}
-        sent: dict[Any, Any] = {}
+        sent: list[Sent] = []
         with contextlib.suppress(Exception):  # judged below by what it was sent
-            sent = send_requests({w: WeightsState() for label, w in workers.items() if label not in silent})
-        asked = {label: (w, sent.get(w)) for label, w in workers.items()}
-        settle_before_propagating([p for _, p in asked.values() if p is not None], timeout, "weights state")
+            sent = send_requests({label: WeightsState() for label in workers if label not in silent},
+                                 workers.__getitem__)
+        settle_before_propagating([s.pending for s in sent], timeout, "weights state")
+        answered: dict[str, bool] = {}  # label -> consistent, for every worker that said
+        for s in sent:
+            if not s.done():
+                self._rounds.abandoned.append(s.pending)
+                continue
+            for o in s.outcomes():
+                if o.ok and isinstance(o.value, dict):
+                    answered[o.key] = o.value.get("consistent", True)
         torn = []
-        for label, (w, p) in asked.items():
+        for label, w in workers.items():
             if w.is_dead():
                 continue
-            try:
-                if p is None:
-                    raise RefitError("not asked")
-                if not p.done():
-                    self._rounds.abandoned.append(p)
-                    raise TimeoutError
-                consistent = p.result(0).get("consistent", True)
-            except Exception:  # silent, or an endpoint that cannot say: judged by what it was sent
-                consistent = id(w) not in self._suspects
+            # silent, late, or an endpoint that cannot say: judged by what it was sent
+            consistent = answered.get(label, id(w) not in self._suspects)
             if consistent:
                 self._suspects.pop(id(w), None)
             else:

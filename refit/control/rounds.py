@@ -17,7 +17,7 @@ from typing import Any
 from refit.control.errors import RefitTampered, RefitWorkerError
 from refit.control.result import Recorder
 from refit.control.settle import brief, settle_before_propagating, wait_any
-from refit.runtime.handles import WorkerDied, send_requests
+from refit.runtime.handles import Sent, WorkerDied, send_requests
 from refit.runtime.protocol import EndpointCall, EndpointFailed, FailureKind
 
 __all__ = ["GRACE_S", "NO_DEADLINE_ROUND_S", "NO_DEADLINE_SETTLE_S", "Member", "RecoveryLimits", "Rounds"]
@@ -154,17 +154,19 @@ class Rounds:
             raise self.deadline_error()
         return left if seconds is None else min(seconds, left)
 
-    def run(self, phase: str, calls: dict[Member, Any], timeout_s: float | None,
-               stragglers_s: float | None = None) -> dict[Member, Any]:
-        """Wait for every call; at the first failure (or the timeout) settle the rest, then raise.
+    def run(self, phase: str, sent: Sequence[Sent], timeout_s: float | None,
+            stragglers_s: float | None = None) -> dict[Member, Any]:
+        """Wait for every message; at the first failure (or the timeout) settle the rest, then raise.
 
-        ``stragglers_s`` is the deadline the workers themselves give up at in this phase
-        (the refit deadline, or the rendezvous timeout for ``connect``). Every answer that
-        arrived by the end of the settle counts: when they all arrived and none failed (the
-        controller itself was stopped or starved while they came in), the round succeeded.
+        ``sent`` are the round's messages to its members (``request_each``): one per worker, or
+        one per engine whose workers are reached together. ``stragglers_s`` is the deadline the
+        workers themselves give up at in this phase (the refit deadline, or the rendezvous
+        timeout for ``connect``). Every answer that arrived by the end of the settle counts: when
+        they all arrived and none failed (the controller itself was stopped or starved while
+        they came in), the round succeeded.
         """
         results: dict[Member, Any] = {}
-        pending = dict(calls)
+        pending = {id(s): s for s in sent}
         timeout_s = self.cap_wait(timeout_s)
         dispatched = time.monotonic()
         last: tuple[float, str] = (0.0, "")  # the slowest member so far, for the sync's events
@@ -175,15 +177,18 @@ class Rounds:
         dead: list[str] = []  # labels of members whose process is gone (not ``died``, the check)
         stalled = 0.0  # how much longer than asked the controller's own waits took
 
-        def collect(ready: Sequence[Member]) -> None:
+        def collect(ready: Sequence[Sent]) -> None:
             nonlocal last
-            for m in ready:
-                p = pending.pop(m)
-                last = (time.monotonic() - dispatched, m.label)
-                try:
-                    results[m] = p.result(0)
-                except Exception as e:  # reported below with the worker's name
-                    errors[m.label] = e
+            for s in ready:
+                del pending[id(s)]
+                for outcome in s.outcomes():
+                    m = outcome.key
+                    last = (time.monotonic() - dispatched, m.label)
+                    if outcome.ok:
+                        results[m] = outcome.value
+                        continue
+                    e = outcome.value
+                    errors[m.label] = e  # reported below with the worker's name
                     if isinstance(e, WorkerDied):
                         dead.append(m.label)
                     elif (kind := failure_kind_of(e)) is not None:
@@ -193,12 +198,12 @@ class Rounds:
         while pending and not failures:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             asked = time.monotonic()
-            done = wait_any(list(pending.values()), left)
+            done = {id(p) for p in wait_any([s.pending for s in pending.values()], left)}
             if left is not None:
                 stalled = max(stalled, time.monotonic() - asked - left - _STALL_SLACK_S)
             if not done:
                 break
-            collect([m for m, p in pending.items() if p in done])
+            collect([s for s in pending.values() if id(s.pending) in done])
         timed_out: list[str] = []
         if pending:
             # The stragglers were armed when this round was dispatched, so their own deadline
@@ -208,18 +213,19 @@ class Rounds:
             if stragglers_s is not None:
                 budget = stragglers_s + self.grace_s
             budget = self.cap_wait(min(budget, max(self.grace_s, dispatched + budget - time.monotonic())))
-            settle_before_propagating(list(pending.values()), budget, phase)
-            collect([m for m, p in pending.items() if p.done() and not m.worker.is_dead()])
+            settle_before_propagating([s.pending for s in pending.values()], budget, phase)
+            collect([s for s in pending.values() if s.done() and not any(m.worker.is_dead() for m in s.keys)])
             # a member whose process is gone is dead, not late: name it as such, so the
             # error blames the worker that died rather than every one still waiting for it
-            for m, p in pending.items():
-                if m.label not in failures and (m.worker.is_dead() or (p.done() and died(p))):
-                    dead.append(m.label)
-                    failures[m.label] = f"WorkerDied: {m.label} died"
+            for s in pending.values():
+                for m in s.keys:
+                    if m.label not in failures and (m.worker.is_dead() or (s.done() and died(s.pending))):
+                        dead.append(m.label)
+                        failures[m.label] = f"WorkerDied: {m.label} died"
             # what is still pending here did not answer (an answer landing after the collect is
             # as late as one that never came: the round is decided on what it had)
-            timed_out = [m.label for m in pending if m.label not in failures]
-            self.abandoned += [p for p in pending.values() if not p.done()]
+            timed_out = [m.label for s in pending.values() for m in s.keys if m.label not in failures]
+            self.abandoned += [s.pending for s in pending.values() if not s.done()]
             if not failures and not timed_out:
                 if self.rec is not None:
                     self.rec.note("round", f"{phase}: every answer arrived by the end of the settle"
@@ -235,14 +241,13 @@ class Rounds:
             self.limits.lose(dead)
         raise _round_failure(phase, failures, errors, kinds, dead, timed_out, timeout_s, stalled)
 
-    def request_all(self, members: Sequence[Member], call: EndpointCall) -> dict[Member, Any]:
+    def request_all(self, members: Sequence[Member], call: EndpointCall) -> list[Sent]:
         return self.request_each({m: call for m in members})
 
     @staticmethod
-    def request_each(calls: Mapping[Member, EndpointCall]) -> dict[Member, Any]:
+    def request_each(calls: Mapping[Member, EndpointCall]) -> list[Sent]:
         """Each member's call; an engine whose workers are reached together gets its share as one message."""
-        sent = send_requests({m.worker: call for m, call in calls.items()})
-        return {m: sent[m.worker] for m in calls}
+        return send_requests(calls, lambda m: m.worker)
 
 
 def _round_failure(phase: str, failures: dict[str, str], errors: dict[str, BaseException],

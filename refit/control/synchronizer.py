@@ -259,7 +259,7 @@ class _SynchronizerBase(Recovery):
         devices = self._devices_of(members, timeout) if self._transport.needs_devices else None
         choice = choose_transport(self._transport, None if devices is None else {m.rank: d for m, d in devices.items()},
                                   {m.rank: m.label for m in members})
-        addr, port = self._rounds.run("rendezvous", {root: root.worker.request(Rendezvous())}, timeout)[root]
+        addr, port = self._rounds.run("rendezvous", self._rounds.request_each({root: Rendezvous()}), timeout)[root]
         secret, nonce = new_secret(), secrets.token_bytes(16)
         sent_at = time.time()
         specs = {m.rank: ConnectSpec(addr, port, m.rank, membership.world_size, epoch, connect_s,
@@ -360,8 +360,8 @@ class _SynchronizerBase(Recovery):
             # The live communicator has ranks of the old workers: the membership may read the
             # same, but those ranks are gone, so the next sync must rebuild.
             self._broken = True
-        live = list(send_requests({w: Teardown() for w in old if not w.is_dead()}).values())
-        settle_before_propagating(live, self.ping_timeout_s, f"teardown of the old shard {shard}")
+        live = send_requests({w: Teardown() for w in old if not w.is_dead()})
+        settle_before_propagating([s.pending for s in live], self.ping_timeout_s, f"teardown of the old shard {shard}")
 
     # -- sync --------------------------------------------------------------------------------
     def sync_weights(self, version: int | None = None, *, strict_casts: bool = False) -> SyncResult:
@@ -541,9 +541,9 @@ class _SynchronizerBase(Recovery):
         if self._closed:
             return
         self._closed = True
-        calls = list(send_requests({w: Teardown() for w in [*self._trainers, *(w for s in self._engines for w in s)]
-                                    if not w.is_dead()}).values())
-        settle_before_propagating(calls, self.ping_timeout_s + self.grace_s, "shutdown")
+        sent = send_requests({w: Teardown() for w in [*self._trainers, *(w for s in self._engines for w in s)]
+                              if not w.is_dead()})
+        settle_before_propagating([s.pending for s in sent], self.ping_timeout_s + self.grace_s, "shutdown")
         self._drain_abandoned()
         for w in [*self._trainers, *(w for s in self._engines for w in s)]:
             if isinstance(w, LocalWorker):

@@ -18,16 +18,18 @@ import pickle
 import signal
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from refit.errors import RefitError
 from refit.runtime.protocol import EndpointCall, answer
 
-__all__ = ["BatchedWorkers", "FuturePending", "LocalWorker", "Pending", "ProcessWorker", "WorkerDied", "WorkerHandle",
-           "WorkerTimeout", "listening_sockets", "pid_alive", "process_resources", "send_requests", "sendable_error",
-           "serve_pipe"]
+__all__ = ["BatchedWorkers", "FuturePending", "LocalWorker", "Outcome", "Pending", "ProcessWorker", "Sent",
+           "WatchedPending", "WorkerDied", "WorkerHandle", "WorkerTimeout", "failed_call", "listening_sockets",
+           "pid_alive", "process_resources", "send_requests", "sendable_error", "serve_pipe"]
 
 
 class WorkerDied(RefitError):
@@ -61,24 +63,122 @@ class WorkerHandle(Protocol):
 
 
 class BatchedWorkers(Protocol):
-    """Workers reached together, as one engine reaches its own: one message carries a round's calls."""
+    """Workers reached together, as one engine reaches its own: one message carries a round's calls.
 
-    def request_batch(self, calls: Mapping[Any, EndpointCall]) -> dict[Any, Pending]: ...
+    The answer to that message holds every addressed worker's own, ``(ok, result or error)``,
+    keyed by the worker handle's ``rank``.
+    """
+
+    def request_batch(self, calls: Mapping[Any, EndpointCall]) -> Pending: ...
 
 
-def send_requests(calls: Mapping[Any, EndpointCall]) -> dict[Any, Pending]:
-    """Send each worker handle its call; the calls to workers of one batch go as one message."""
-    out: dict[Any, Pending] = {}
+@dataclass(frozen=True)
+class Outcome:
+    """One worker's answer to its call: its result, or the error it raised (``ok`` False)."""
+
+    key: Any
+    ok: bool
+    value: Any
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One message in flight: a call to one worker, or a round's calls to the workers of one batch.
+
+    ``keys`` are what the caller named the addressed workers by; ``ranks`` each one's place in
+    a batch's answer (None for a call to one worker). A batch is answered as one: the
+    controller waits on the message, not on a future per worker split off a shared answer.
+    """
+
+    pending: Pending
+    keys: tuple[Any, ...]
+    ranks: tuple[int, ...] | None = None
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+    def outcomes(self) -> list[Outcome]:
+        """Each addressed worker's outcome (call only once ``done``). A failure of the message
+        itself (a death, a timeout) is every addressed worker's."""
+        try:
+            answer = self.pending.result(0)
+        except Exception as e:  # the message's own failure: each worker it addressed failed with it
+            return [Outcome(key, False, e) for key in self.keys]
+        if self.ranks is None:
+            return [Outcome(self.keys[0], True, answer)]
+        return [Outcome(key, *answer[rank]) for key, rank in zip(self.keys, self.ranks)]
+
+
+def send_requests(calls: Mapping[Any, EndpointCall], worker: Callable[[Any], Any] = lambda key: key) -> list[Sent]:
+    """Send each worker its call: one message per worker, or per batch for workers reached together.
+
+    ``calls`` are keyed by anything ``worker`` maps to a worker handle (by default the handle itself).
+    """
+    out: list[Sent] = []
     batches: dict[int, tuple[BatchedWorkers, dict[Any, EndpointCall]]] = {}
-    for worker, call in calls.items():
-        batch = getattr(worker, "batch", None)
+    for key, call in calls.items():
+        handle = worker(key)
+        batch = getattr(handle, "batch", None)
         if batch is None:
-            out[worker] = worker.request(call)
+            out.append(Sent(handle.request(call), (key,)))
         else:
-            batches.setdefault(id(batch), (batch, {}))[1][worker] = call
+            batches.setdefault(id(batch), (batch, {}))[1][key] = call
     for batch, group in batches.values():
-        out.update(batch.request_batch(group))
+        handles = {key: worker(key) for key in group}
+        pending = batch.request_batch({handles[key]: call for key, call in group.items()})
+        out.append(Sent(pending, tuple(group), tuple(handles[key].rank for key in group)))
     return out
+
+
+class WatchedPending:
+    """A call whose answer is read off ``inner``, given up as ``WorkerDied`` once ``is_dead`` says so.
+
+    A vLLM engine's host answers one call at a time and cannot report its own worker's death
+    while the refit that worker was in waits for it: the call is watched from outside. With
+    ``pick``, the answer is a batch's and this call's is the worker ``pick``'s alone.
+    """
+
+    _SLICE_S = 0.25  # how often a wait looks at ``is_dead``
+
+    def __init__(self, inner: Pending, is_dead: Callable[[], bool], name: str, pick: int | None = None):
+        self.inner, self.is_dead, self.name, self.pick = inner, is_dead, name, pick
+
+    def done(self) -> bool:
+        return self.inner.done() or self.is_dead()
+
+    def result(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.inner.done():
+            if self.is_dead():
+                raise WorkerDied(f"{self.name}: its process or a worker of it died")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise WorkerTimeout(f"{self.name} did not answer within {timeout}s")
+            with contextlib.suppress(WorkerTimeout):
+                self.inner.result(self._SLICE_S if left is None else min(self._SLICE_S, left))
+        answer = self.inner.result(0)
+        if self.pick is None:
+            return answer
+        ok, value = answer[self.pick]
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def wait_any(pendings: Sequence[WatchedPending], timeout: float | None) -> list[WatchedPending]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ready = [p for p in pendings if p.done()]
+            left = None if deadline is None else deadline - time.monotonic()
+            if ready or (left is not None and left <= 0):
+                return ready
+            inner = [p.inner for p in pendings]
+            kinds = {getattr(type(q), "wait_any", None) for q in inner}
+            wait = WatchedPending._SLICE_S if left is None else min(WatchedPending._SLICE_S, left)
+            if len(kinds) == 1 and None not in kinds:
+                kinds.pop()(inner, wait)
+            else:
+                time.sleep(min(wait, 0.02))
 
 
 class FuturePending:
@@ -112,6 +212,11 @@ def _failed(exc: BaseException) -> cf.Future:
     fut: cf.Future = cf.Future()
     fut.set_exception(exc)
     return fut
+
+
+def failed_call(exc: BaseException, worker: Any) -> FuturePending:
+    """A call that failed before it was sent (its worker is known dead, say)."""
+    return FuturePending(_failed(exc), worker)
 
 
 class LocalWorker:

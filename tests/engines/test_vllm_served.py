@@ -51,6 +51,10 @@ def test_tied_heads_compute_with_the_refit_and_a_stale_one_is_caught_by_name(fle
         assert "lm_head" in result.failure and "do not compute with the verified weights" in result.failure
         state = fleet.engines[STALE].weights_state()
         assert not all(w["consistent"] for w in state["workers"]), state
+        # the host asks its workers before it generates: the torn one's record refuses for the engine
+        with pytest.raises(Exception, match="did not complete") as refused:
+            fleet.engines[STALE].call("generate", [PROMPT], 2).result(120)
+        assert "do not compute with the verified weights" in str(refused.value)
         assert STALE in sync.quarantined_shards
         print(f"served check, the stale engine: {result.failure}")
         figures = []

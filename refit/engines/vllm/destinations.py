@@ -8,7 +8,7 @@ must deliver to this worker: the global shape, the layout over the engine's own 
 (``0 .. tp-1``) and, for direct writes, which rows of which live parameter it is.
 
 Reading the layers instead of a table of model names is what keeps it exact: the same
-arithmetic that vLLM used to shard each layer decides the slice, including key/value
+arithmetic vLLM shards each layer with decides the slice, including key/value
 heads replicated when tp exceeds them (a ``[kv_heads, tp / kv_heads]`` mesh, each head
 sent once per replica) and a padded vocabulary whose shard ranges differ from an even
 split (then the embedding is received whole, and said so). A layer this module does not

@@ -17,12 +17,12 @@ Generation never sees partial weights. Calls to a host run one at a time, so not
 generates while a refit moves bytes; in loader mode the live weights change only at the
 commit, after the controller verified every byte; and an engine whose refit started but
 was not committed (direct mode writes in place), or whose load failed part way, refuses to
-generate until a refit commits. ``weights_state()`` says which, worker by worker.
+generate until a refit commits. The workers' own records say which (``weights_state()``):
+the host keeps no second account of them.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import socket
 import sys
@@ -45,8 +45,8 @@ from refit.engines.vllm.extension import (
     seal,
 )
 from refit.errors import InconsistentWeights, RefitError
-from refit.runtime.handles import FuturePending, WorkerDied, pid_alive
-from refit.runtime.protocol import Commit, EndpointCall, Transfer
+from refit.runtime.handles import WatchedPending, WorkerDied, failed_call, pid_alive
+from refit.runtime.protocol import Commit, EndpointCall
 
 __all__ = ["IncompleteWeights", "VllmEngine", "VllmEngineHost", "fetched"]
 
@@ -95,8 +95,6 @@ class VllmEngineHost:
         self._start_engine(model, llm_kwargs)
         self.tp_size = int(llm_kwargs.get("tensor_parallel_size", 1))
         self._lock = threading.RLock()
-        self._incomplete = False
-        self._reason: str | None = None  # why the weights are torn, while they are
         self.version = 0  # refits committed
         self.workers_info = self._on_every_worker(Attach(receive_mode, check_served, reprocess_shared))
         self.worker_pids = [w["pid"] for w in self.workers_info]
@@ -124,33 +122,25 @@ class VllmEngineHost:
         """Run one round of the controller's calls, one per worker (by TP rank); ``(ok, result or error)`` each."""
         calls = fetched(calls)
         with self._lock:
-            call = next(iter(calls.values()))
-            if isinstance(call, Transfer) and self.direct:
-                # until a commit says otherwise
-                self._incomplete, self._reason = True, "a refit transfer wrote into the live weights"
-            if isinstance(call, Commit) and not self.direct:
-                # a load that fails part way leaves some layers new
-                self._incomplete, self._reason = True, "vLLM's load of the received weights did not complete"
             out = self._batch(calls)
-            if isinstance(call, Commit) and all(ok for ok, _ in out):
-                self._incomplete, self._reason = False, None
+            if isinstance(next(iter(calls.values())), Commit) and all(ok for ok, _ in out):
                 self.version += 1
-            elif self._incomplete and isinstance(call, (Transfer, Commit)):
-                failed = next((value for ok, value in out if not ok), None)
-                if failed is not None:
-                    text = str(failed).strip().splitlines()
-                    self._reason = f"{call.phase} failed: {text[0] if text else ''}"
             return out
 
     def weights_state(self) -> dict:
         """Whether this engine serves: ``consistent`` (every worker's weights whole), ``version``
-        (refits committed), ``reason`` while not, and each worker's own record (``workers``)."""
+        (refits committed), ``reason`` while not, and each worker's own record (``workers``).
+
+        The workers' records are the one account of torn weights: a worker marks itself torn
+        before a byte lands in its live weights and whole only once a verified refit is loaded,
+        and it knows this even when the controller or a peer died mid-refit. A worker that died
+        cannot answer, and its engine cannot generate either.
+        """
         with self._lock:
             workers = self._on_every_worker(ReadWeightsState())
-            consistent = not self._incomplete and all(w["consistent"] for w in workers)
-            reason = self._reason or next((w["reason"] for w in workers if not w["consistent"]), None)
-            return {"consistent": consistent, "version": self.version, "reason": None if consistent else reason,
-                    "workers": workers}
+            consistent = all(w["consistent"] for w in workers)
+            reason = next((w["reason"] for w in workers if not w["consistent"]), None)
+            return {"consistent": consistent, "version": self.version, "reason": reason, "workers": workers}
 
     def refit_ping(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "worker_pids": self.worker_pids}
@@ -172,9 +162,10 @@ class VllmEngineHost:
 
     # -- generation -------------------------------------------------------------------
     def _check_complete(self) -> None:
-        if self._incomplete:
-            raise IncompleteWeights(f"this engine's last refit did not commit ({self._reason}); its weights may be "
-                                    "partial, so it does not generate until a refit completes")
+        state = self.weights_state()
+        if not state["consistent"]:
+            raise IncompleteWeights(f"this engine's last refit did not complete ({state['reason']}); its weights may "
+                                    "be partial, so it does not generate until a refit completes")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[list[int]]:
         """Greedy continuations of token-id prompts."""
@@ -256,48 +247,21 @@ class VllmEngine:
         """The host's ``weights_state()``: whether the engine serves, and each worker's record."""
         return self.host.call("weights_state").result(timeout_s)
 
-    def request_batch(self, calls: Mapping[VllmWorkerHandle, EndpointCall]) -> dict[VllmWorkerHandle, FuturePending]:
+    def request_batch(self, calls: Mapping[VllmWorkerHandle, EndpointCall]) -> WatchedPending:
         """One round of the controller's calls to this engine's workers, sent to the host as one message.
 
-        The answers come back together, one per worker addressed.
+        Its answer holds every addressed worker's ``(ok, result or error)`` by TP rank. It is
+        watched from here: a worker that dies mid-refit ends the call as ``WorkerDied``.
         """
-        futures = {h: cf.Future() for h in calls}
-        batch = {h.rank: (call, futures[h]) for h, call in calls.items()}
         if self.dead:
-            for fut in futures.values():
-                fut.set_exception(WorkerDied(f"{self.name} is dead"))
+            inner = failed_call(WorkerDied(f"{self.name} is dead"), self.host)
         else:
             kinds = {type(c).__name__ for c in calls.values()}
             if len(kinds) != 1:
                 raise RefitError(f"{self.name}: the workers of one engine were sent different calls in one round "
                                  f"({sorted(kinds)}); an engine's workers are driven together")
-            phase = next(iter(calls.values())).phase
-            pending = self.host.call("refit_requests", {rank: c for rank, (c, _) in batch.items()})
-            threading.Thread(target=self._deliver, args=(pending, batch), daemon=True,
-                             name=f"refit-{self.name}-{phase}").start()
-        return {h: FuturePending(fut, h) for h, fut in futures.items()}
-
-    def _deliver(self, pending: Any, batch: dict) -> None:
-        while True:
-            try:
-                answers = pending.result(0.5)
-                break
-            except WorkerDied as e:
-                answers = e
-                break
-            except TimeoutError:
-                if self.dead:
-                    answers = WorkerDied(f"{self.name}: its process or a worker of it died")
-                    break
-            except BaseException as e:  # handed to every worker's call
-                answers = e
-                break
-        for rank, (_, fut) in batch.items():
-            if isinstance(answers, BaseException):
-                fut.set_exception(answers)
-                continue
-            ok, value = answers[rank]
-            fut.set_result(value) if ok else fut.set_exception(value)
+            inner = self.host.call("refit_requests", {h.rank: c for h, c in calls.items()})
+        return WatchedPending(inner, lambda: self.dead, self.name)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -321,11 +285,12 @@ class VllmWorkerHandle:
     def is_dead(self) -> bool:
         return self.engine.dead
 
-    def request(self, call: EndpointCall) -> FuturePending:
+    def request(self, call: EndpointCall) -> WatchedPending:
         """This worker's call alone (the engine's other workers are not addressed)."""
-        return self.engine.request_batch({self: call})[self]
+        batch = self.engine.request_batch({self: call})
+        return WatchedPending(batch.inner, batch.is_dead, self.name, pick=self.rank)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> FuturePending:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> WatchedPending:
         raise RefitError(f"{self.name}: a vLLM worker takes refit's calls only (request); call the engine's host "
                          f"for {method!r}")
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from refit.engines.vllm.engine import TEARDOWN_GRACE_S, VllmEngineHost, fetched
 from refit.engines.vllm.extension import EXTENSION, ConfigureStaging, PollTransfer, StartTransfer
-from refit.errors import InconsistentWeights, RefitError, first_line
+from refit.errors import InconsistentWeights, RefitError
 from refit.runtime.protocol import Commit, EndpointCall, Transfer
 
 __all__ = ["REFIT_MODES", "VllmServingHost", "median_gap", "token_gaps"]
@@ -151,11 +151,6 @@ class VllmServingHost(VllmEngineHost):
                     stalled = self._resume()
                 if all(ok for ok, _ in out):
                     self._record_switch(out, commit_s if stalled is None else stalled)
-                else:
-                    # a load that fails part way leaves some layers new
-                    failed = next(value for ok, value in out if not ok)
-                    self._incomplete = True
-                    self._reason = f"refit commit failed: {first_line(failed)}"
                 return out
             out = self._batch(calls)
             if self._paused_at is not None and not all(ok for ok, _ in out):
@@ -200,7 +195,6 @@ class VllmServingHost(VllmEngineHost):
         record = answers[0][1] or {}
         version = record.get("version")
         self.version = version if version is not None else self.version + 1
-        self._incomplete, self._reason = False, None
         in_flight = {rid.rsplit("-", 1)[0]: n for rid, n in record.get("in_flight", {}).items()}
         # every worker switched at the same point of the step sequence: they hold the same requests
         # with the same token counts, or the engine served a mix of versions for a step
