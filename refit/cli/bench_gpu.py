@@ -45,7 +45,7 @@ from refit.models.specs import MODELS, ModelSpec
 from refit.plan import RankPlan, RosterEntry, build_rank_plan, merge_rosters, pack_buckets
 from refit.testing.launch import DeviceFleet, abort_blocked_recv
 from refit.transport.factory import make_executor
-from refit.transport.nixl import DEFAULT_CHUNK_BYTES, NixlTransport
+from refit.transport.nixl import DEFAULT_CHUNK_BYTES, NixlChannel, NixlExecutor
 from refit.transport.streamed import release_staging
 from refit.transport.xfer import xferdtensor_golden
 
@@ -418,24 +418,26 @@ def nixl_rank(group, cfg: dict) -> dict:
         if variant == "nixl_staged" and not cfg.get("staged", True):
             continue
         t0 = time.perf_counter()
-        t = NixlTransport(group.rank, device=side.device, timeout_s=cfg["timeout_s"], direct=direct,
-                          chunk_bytes=cfg["chunk_mib"] * MIB)
+        channel = NixlChannel(group.rank, device=side.device, timeout_s=cfg["timeout_s"], direct=direct,
+                              chunk_bytes=cfg["chunk_mib"] * MIB)
+        ex = NixlExecutor(plan, channel)
         try:
-            t.prepare(plan, src, dst)
-            t.handshake(group)  # the one collective, before any refit
+            ex.prepare(src, dst)
+            channel.handshake(group)  # the one collective, before any refit
             res: dict[str, Any] = {"setup_s": time.perf_counter() - t0}
             side.poison()
-            st = t.run(src, dst)
+            st = ex.run()
             res.update(first_s=st.seconds, staging_bytes=st.staging_capacity_bytes, zero_copy=st.zero_copy_buckets)
             res["verify"] = side.verify(cfg["seed"])
-            res.update(_timed_loop(group, lambda t=t: t.run(src, dst), cfg["iters"]))
-            res["verify_fresh"] = _fresh_refit(group, side, cfg["seed"] + 7, lambda t=t: t.run(src, dst))
+            res.update(_timed_loop(group, ex.run, cfg["iters"]))
+            res["verify_fresh"] = _fresh_refit(group, side, cfg["seed"] + 7, ex.run)
             side.fill(cfg["seed"])  # the next variant starts from the first weights
             _sync_barrier(group)
         except Exception as e:  # reported in the table rather than losing the NCCL figures
             res = {"error": f"{type(e).__name__}: {e}"}
         finally:
-            t.close()
+            ex.close()
+            channel.close()
         out[variant] = res
     return out
 

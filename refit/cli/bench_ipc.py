@@ -40,8 +40,8 @@ from refit.comm.rendezvous import new_secret
 from refit.errors import ConfigError
 from refit.testing.launch import LocalFleet
 from refit.transport.factory import make_executor
-from refit.transport.ipc import IpcTransport, export_cuda, open_cuda
-from refit.transport.nixl import NixlTransport, nixl_available
+from refit.transport.ipc import IpcChannel, export_cuda, open_cuda
+from refit.transport.nixl import NixlChannel, nixl_available
 
 PLACEMENTS = ("colocated", "two-gpus")
 DEFAULTS = {"layers": 32, "iters": 10, "bucket_mib": 1024, "handoff_mib": 512, "refits": 50, "timeout_s": 60.0}
@@ -85,7 +85,7 @@ def _limit(side: RankTensors, iters: int) -> dict:
     return out
 
 
-def _resources(t: IpcTransport, dev) -> dict:
+def _resources(t: IpcChannel, dev) -> dict:
     return {"mapped": t.mapped_regions, "fds": len(os.listdir("/proc/self/fd")),
             "gpu_bytes": torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0}
 
@@ -145,7 +145,7 @@ def ipc_rank(group, cfg: dict) -> dict:
 
     # --- refit over IPC
     t0 = time.perf_counter()
-    ipc = IpcTransport(group.rank, device=dev, timeout_s=cfg["timeout_s"])
+    ipc = IpcChannel(group.rank, device=dev, timeout_s=cfg["timeout_s"])
     ex = make_executor(plan, None, transport="ipc", ipc=ipc)
     ex.prepare(src, dst)
     ipc.handshake(group)
@@ -172,7 +172,7 @@ def ipc_rank(group, cfg: dict) -> dict:
     if cfg["nixl"]:
         try:
             t0 = time.perf_counter()
-            nixl = NixlTransport(group.rank, device=dev, timeout_s=cfg["timeout_s"])
+            nixl = NixlChannel(group.rank, device=dev, timeout_s=cfg["timeout_s"])
             nex = make_executor(plan, None, transport="nixl", nixl=nixl)
             nex.prepare(src, dst)
             nixl.handshake(group)

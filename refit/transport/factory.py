@@ -212,12 +212,12 @@ class Channels:
 
 def _open_channel(kind: str, rank: int, device: torch.device) -> Any:
     if kind == "nixl":
-        from refit.transport.nixl import NixlTransport
+        from refit.transport.nixl import NixlChannel
 
-        return NixlTransport(rank, device=device, timeout_s=None)
-    from refit.transport.ipc import IpcTransport
+        return NixlChannel(rank, device=device, timeout_s=None)
+    from refit.transport.ipc import IpcChannel
 
-    return IpcTransport(rank, device=device, timeout_s=None)
+    return IpcChannel(rank, device=device, timeout_s=None)
 
 
 def node_of(device: Mapping[str, Any]) -> str:
@@ -232,8 +232,8 @@ def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport
 
     ``transport``: ``"rounds"`` (host-driven rounds, gloo), ``"streamed"`` (the CUDA-stream
     pipeline over NCCL; on CPU tensors it runs on the host), ``"nixl"`` (one-sided writes
-    through ``nixl``, a ``refit.transport.nixl.NixlTransport``), ``"ipc"`` (reads straight
-    from the peers' memory on one node through ``ipc``, a ``refit.transport.ipc.IpcTransport``),
+    through ``nixl``, a ``refit.transport.nixl.NixlChannel``), ``"ipc"`` (reads straight
+    from the peers' memory on one node through ``ipc``, a ``refit.transport.ipc.IpcChannel``),
     or ``"auto"``: with ``ipc`` and ``near`` (the other ranks of this node), the pairs
     with ``near`` ranks over IPC and the rest over ``nixl`` when given, else as below, both
     at once (``SplitExecutor``); otherwise streamed
@@ -253,7 +253,7 @@ def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport
         from refit.transport.nixl import NixlExecutor
 
         if nixl is None:
-            raise PlanError("transport='nixl' needs nixl=<NixlTransport>")
+            raise PlanError("transport='nixl' needs nixl=<NixlChannel>")
         if plan.fanout:
             raise PlanError("transport='nixl' does not run fan-out plans")
         return NixlExecutor(plan, nixl)
@@ -261,7 +261,7 @@ def make_executor(plan: RankPlan | BroadcastPlan, comm: Any = None, *, transport
         from refit.transport.ipc import IpcExecutor
 
         if ipc is None:
-            raise PlanError("transport='ipc' needs ipc=<IpcTransport>")
+            raise PlanError("transport='ipc' needs ipc=<IpcChannel>")
         if plan.fanout:
             raise PlanError("transport='ipc' does not run fan-out plans")
         if options:

@@ -8,13 +8,14 @@ in host shared memory.
 
 Setup, once per plan (the same roster steps as ``refit.transport.nixl``):
 
-    t = IpcTransport(rank, device=dev)
-    t.prepare(plan, src, dst)           # export what this rank's receivers will read
-    entry = t.local_roster_entry()      # node, pid, control segment, exported memory
+    channel = IpcChannel(rank, device=dev)    # control segment and exports: kept across plans
+    executor = IpcExecutor(plan, channel)
+    executor.prepare(src, dst)                # export what this rank's receivers will read
+    entry = channel.local_roster_entry()      # node, pid, control segment, exported memory
     ... the controller gathers every rank's entry and relays the roster ...
-    t.update_membership(roster, epoch)  # map the sources' memory once; cached from now on
+    channel.update_membership(roster, epoch)  # map the sources' memory once; cached from now on
 
-Every refit is then ``t.run(src, dst)``:
+Every refit is then ``executor.run()``:
 
 1. a source makes its data readable (GPU: its stream is drained, so the tensors hold the
    step's weights; host: the blocks are packed into its shared staging) and publishes the
@@ -46,7 +47,7 @@ time (``/proc/<pid>/stat``: a pid the kernel hands to a new process does not kee
 owner's segments alive). The owner removes them at ``close`` and, for any it did not close,
 when it exits (``atexit``: normal exits and uncaught exceptions). A process killed outright
 (SIGKILL, SIGTERM's default action, the OOM killer) cannot: every transport removes those of
-owners that are gone when it starts, and every ``IpcExecutor`` when it is made (each plan a
+owners that are gone when it opens, and every ``IpcExecutor`` when it is made (each plan a
 controller builds), and ``refit clean-ipc`` does on a host where no refit process runs anymore.
 """
 
@@ -87,9 +88,9 @@ from refit.transport.buckets import (
     unpack_bucket,
 )
 from refit.transport.copy_sum import CopySumBatch, NotFusable, fused_enabled
-from refit.transport.one_sided import OneSidedRound, OneSidedTransport
+from refit.transport.one_sided import OneSidedChannel, OneSidedRound
 
-__all__ = ["IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "IpcTransport", "ShmSegment", "export_cuda",
+__all__ = ["IpcChannel", "IpcExecutor", "IpcHandshakeError", "IpcRosterEntry", "ShmSegment", "export_cuda",
            "list_segments", "node_id", "open_cuda", "sweep_stale_segments"]
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ DEFAULT_PROBE_S = 0.05
 MAX_NAP_S = 5e-5  # the longest a waiting rank sleeps between checks: a refit of an 8B model is ~8 ms
 # transports of this process by name: a peer in the same process (endpoints on threads) reads
 # the source's tensors directly, since CUDA refuses to open a process's own IPC handles
-_IN_PROCESS: weakref.WeakValueDictionary[str, IpcTransport] = weakref.WeakValueDictionary()
+_IN_PROCESS: weakref.WeakValueDictionary[str, IpcChannel] = weakref.WeakValueDictionary()
 _FAILED_CAPTURES: list[Any] = []
 # pid namespace, pid, the pid's start time (clock ticks after boot; 0: unknown), a random tag, the kind
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-(\d+)-[0-9a-f]+-(control|staging)$")
@@ -507,14 +508,17 @@ def _view_of(base: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequenc
     return flat.as_strided(tuple(shape), tuple(stride), offset // size)
 
 
-class IpcTransport(OneSidedTransport):
-    """Runs one rank's ``RankPlan`` between processes of one node; see the module docstring.
+class IpcChannel(OneSidedChannel):
+    """This rank's end of the one-node transport, kept across plans; see the module docstring.
+
+    It holds what outlives a plan: the control segment peers poll, the memory this rank
+    exports (its GPU source tensors, or a host staging segment), the peers it mapped, and the
+    membership epoch. An ``IpcExecutor`` is one plan on it.
 
     Args:
         rank: this rank's id in the plans and rosters.
-        device: where this rank's tensors live (inferred at ``prepare`` when None).
-        timeout_s: default deadline of one ``run`` (``set_deadline`` overrides it).
-        verify: record per-bucket checksums in the returned ``TransferStats``.
+        device: where this rank's tensors live (inferred when an executor binds, when None).
+        timeout_s: default deadline of one refit (``set_deadline`` overrides it).
         probe_interval_s: how often a waiting rank checks that silent peers still run.
         graphs: on a GPU, replay each source's copies as one CUDA graph captured at the
             handshake (``False``: launch them one by one).
@@ -527,15 +531,14 @@ class IpcTransport(OneSidedTransport):
     max_nap_s = MAX_NAP_S
 
     def __init__(self, rank: int, *, device: torch.device | str | None = None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S, verify: bool = False,
-                 probe_interval_s: float = DEFAULT_PROBE_S, graphs: bool = True):
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, probe_interval_s: float = DEFAULT_PROBE_S,
+                 graphs: bool = True):
         _sweep_quietly()
         self._owner_pid = os.getpid()
         super().__init__(rank)
         self.name = f"refit-ipc-r{self.rank}-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
-        self.verify = verify
         self.probe_interval_s = probe_interval_s
         self.graphs = graphs
         self.node = node_id()
@@ -547,84 +550,49 @@ class IpcTransport(OneSidedTransport):
         self._tensors: dict[str, tuple] = {}
         self._staged: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._staged_views: dict[tuple[int, int], torch.Tensor] = {}
-        self._sends: dict[int, list[Bucket]] = {}
-        self._recvs: dict[int, list[Bucket]] = {}
-        self._src: Mapping[str, torch.Tensor] = {}
-        self._dst: Mapping[str, torch.Tensor] = {}
         self._keep: dict[int, torch.Tensor] = {}  # region id -> its whole storage as bytes, while peers may read it
         self._peers: dict[int, _Peer] = {}
-        self._copies: dict[int, list[_Copy]] = {}
-        self._graphs: dict[int, Any] = {}  # source rank -> the CUDA graph of its copies
-        self._bound_sig: tuple = ()
-        self._scratch: StagingPool | None = None
-        # one kernel per refit that copies and sums (receiver) or sums (sender): made on the
-        # first verified run, None where some block cannot take it (then the eager path runs)
-        self._fused_recv: dict[int, _FusedSums | None] = {}
-        self._fused_send: _FusedSums | None | bool = False  # False: not made yet
-        self._side_stream: Any = None
         _IN_PROCESS[self.name] = self
 
-    # -- setup ------------------------------------------------------------------------------
-    def prepare(self, plan: RankPlan, src: Mapping[str, torch.Tensor] | None = None,
-                dst: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Export what this rank's receivers read for ``plan`` (replacing any earlier plan).
-
-        On a GPU the source tensors themselves are exported, so ``src`` must be the
-        tensors that hold the weights at every ``run``; on the host the sends are packed
-        into one shared segment. Receivers learn of it only through ``local_roster_entry``
-        and ``update_membership``.
-        """
-        self._check_open()
-        if plan.fanout and (plan.gather_sends or plan.gather_recvs):
-            raise PlanError("the IPC transport runs plans without replica fan-out (build_rank_plan(fanout=False))")
-        src, dst = dict(src or {}), dict(dst or {})
+    # -- a plan's memory -----------------------------------------------------------------------
+    def device_for(self, rank: int, src: TensorMap, dst: TensorMap) -> torch.device:
+        """The device of this rank's tensors, which every one of them must be on."""
         device = self.device or next((t.device for t in [*src.values(), *dst.values()]), torch.device("cpu"))
         for name, t in [*src.items(), *dst.items()]:
             if t.device.type != device.type or (device.type == "cuda" and device.index is not None
                                                 and t.device.index != device.index):
-                raise PlanError(f"rank {plan.rank}: {name} is on {t.device}, but this IPC transport moves {device} "
+                raise PlanError(f"rank {rank}: {name} is on {t.device}, but this IPC transport moves {device} "
                                 "tensors")
         if device.type not in ("cpu", "cuda"):
-            raise PlanError(f"rank {plan.rank}: the IPC transport moves host or CUDA tensors, not {device.type}")
+            raise PlanError(f"rank {rank}: the IPC transport moves host or CUDA tensors, not {device.type}")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        self.rank = plan.rank
-        self.plan = plan
-        self._src, self._dst = src, dst
-        self._sends, self._recvs = self._by_peer(plan.sends, src, "src"), self._by_peer(plan.recvs, dst, "dst")
-        self._fused_send, self._fused_recv = False, {}
-        self._export(src)
-        self._bound_sig = self._signature(src, dst)
+        return device
+
+    def bind(self, executor: IpcExecutor, src: TensorMap, signature: tuple) -> None:
+        """Serve ``executor``'s plan: export what its receivers read (replacing any earlier
+        plan's). Receivers learn of it only through ``local_roster_entry`` and ``update_membership``."""
+        self._check_open()
+        self.device = executor.device
+        self.rank = executor.plan.rank
+        self.bound = executor
+        self._export(executor.sends, src)
         self._local_digest = _digest(self.name, sorted(self._regions.items()), sorted(self._tensors.items()),
-                                     sorted(self._staged.items()), self._bound_sig)
+                                     sorted(self._staged.items()), signature)
 
-    def _by_peer(self, buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
-                 side: str) -> dict[int, list[Bucket]]:
-        out: dict[int, list[Bucket]] = {}
-        for b in buckets:
-            missing = sorted({op.name for op in b.ops} - set(tensors))
-            if missing:
-                raise PlanError(f"rank {self.rank}: the plan {'sends' if side == 'src' else 'receives'} {missing} but "
-                                f"no {side} tensor was given for it")
-            out.setdefault(b.peer, []).append(b)
-        for bs in out.values():
-            bs.sort(key=lambda b: b.index)
-        return out
-
-    def _export(self, src: Mapping[str, torch.Tensor]) -> None:
+    def _export(self, sends: Mapping[int, list[Bucket]], src: TensorMap) -> None:
         self._tensors, self._staged, self._staged_views = {}, {}, {}
         regions: dict[int, tuple] = {}
         if self.device.type == "cuda":
-            # An allocation this transport still holds keeps its export: the address cannot
-            # be another allocation's while the storage is alive, and a handshake stays valid
+            # An allocation this channel still holds keeps its export: the address cannot be
+            # another allocation's while the storage is alive, and a handshake stays valid
             # across rebinds to new tensor objects over the same memory (DTensor.to_local()
             # makes one per call). Storages no longer read are let go.
             held = {(k.data_ptr(), k.numel()): (rid, k) for rid, k in self._keep.items()}
             exports = {rid: self._regions[rid] for rid in self._keep}
             region_of: dict[tuple[int, int], int] = {}
             keep = {}
-            for name in sorted({op.name for bs in self._sends.values() for b in bs for op in b.ops}):
+            for name in sorted({op.name for bs in sends.values() for b in bs for op in b.ops}):
                 t = src[name]
                 storage = t.untyped_storage()
                 key = (storage.data_ptr(), storage.nbytes())
@@ -640,7 +608,7 @@ class IpcTransport(OneSidedTransport):
         else:
             size = 0
             layout = []
-            for peer, bs in sorted(self._sends.items()):
+            for peer, bs in sorted(sends.items()):
                 for b in bs:
                     layout.append(((peer, b.index), size, b.nbytes))
                     size = align(size + b.nbytes)
@@ -662,6 +630,15 @@ class IpcTransport(OneSidedTransport):
             self._staging.close()
             self._staging = None
 
+    def staged_view(self, peer: int, index: int) -> torch.Tensor:
+        """Where a host source packs bucket ``index`` for ``peer``: its place in the shared staging."""
+        return self._staged_views[(peer, index)]
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._staging.nbytes if self._staging is not None else 0
+
+    # -- the roster ------------------------------------------------------------------------------
     @property
     def identity(self) -> str:
         return self.name
@@ -673,20 +650,22 @@ class IpcTransport(OneSidedTransport):
     def local_roster_entry(self) -> IpcRosterEntry:
         """This rank's node, process, control segment and exported memory, for the controller to relay."""
         self._check_open()
-        if self.plan is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before local_roster_entry()")
+        if self.bound is None:
+            raise RefitError(f"rank {self.rank}: bind an executor (executor.prepare(src, dst)) before "
+                             "local_roster_entry()")
         dev = self.device.index if self.device.type == "cuda" else -1
         return IpcRosterEntry(self.rank, self.name, self.node, os.getpid(), pid_namespace(), dev, self._control.name,
                               dict(self._regions), dict(self._tensors), dict(self._staged), self._local_digest)
 
     def update_membership(self, roster: Mapping[int, IpcRosterEntry], epoch: int) -> None:
-        """Install the roster of ``epoch``: map the peers of this rank's plan (new ones only).
+        """Install the roster of ``epoch``: map the peers of the bound plan (new ones only).
 
         Every peer must run on this node. A peer whose entry is unchanged keeps its
         mappings; one that changed (a restarted process, a new plan) is mapped afresh and
-        the old mapping closed. No collective: the next ``run`` starts the epoch.
+        the old mapping closed. No collective: the next refit starts the epoch.
         """
-        peers = sorted(set(self._sends) | set(self._recvs))
+        executor = self.bound
+        peers = executor.peers() if executor is not None else []
         epoch = self._check_roster(roster, epoch, peers)
         elsewhere = [f"{p} ({roster[p].node})" for p in peers if roster[p].node != self.node]
         if elsewhere:
@@ -697,8 +676,7 @@ class IpcTransport(OneSidedTransport):
         if too_high:
             raise IpcHandshakeError(f"the IPC transport signals at most {GONE - 1} ranks; got rank(s) "
                                     f"{too_high}")
-        for p in self._recvs:
-            self._check_source(roster[p])
+        executor.check_sources(roster)
         old = self._peers
         self._peers = {}
         for p in peers:
@@ -709,46 +687,25 @@ class IpcTransport(OneSidedTransport):
                 continue
             if prev is not None:
                 prev.close()
-            self._peers[p] = self._map(e)
+            self._peers[p] = self._map(e, reads=executor.receives_from(p))
         for prev in old.values():
             prev.close()
-        self._copies = {p: [self._copy_of(b, self._peers[p]) for b in bs] for p, bs in self._recvs.items()}
-        self._graphs = {p: g for p, cs in self._copies.items() if (g := self._capture(p, cs)) is not None}
-        self._fused_recv = {}
+        executor.install(self._peers)
         self.epoch = epoch
         self.seq = 0
         self._installed_digest = self._local_digest
         self._aborted.clear()
         self._words[GONE] = 0
 
-    def _check_source(self, e: IpcRosterEntry) -> None:
-        """The source's export covers every bucket this rank receives from it."""
-        mine = self._recvs[e.rank]
-        if e.device >= 0 and self.device.type != "cuda":
-            raise IpcHandshakeError(f"rank {self.rank} moves host tensors, but source rank {e.rank} exports GPU "
-                                    f"memory (cuda:{e.device}): both ends of the IPC transport must be on GPUs, or "
-                                    "the source on the host")
-        if e.device >= 0:
-            lacking = sorted({op.name for b in mine for op in b.ops} - set(e.tensors))
-            if lacking:
-                raise IpcHandshakeError(f"rank {self.rank}: source rank {e.rank} does not export {lacking[:8]}, which "
-                                        "this rank's plan reads from it: both must build their plans from the same "
-                                        "rosters")
-            return
-        bad = [b.index for b in mine if e.staged.get((self.rank, b.index), (0, 0, -1))[2] != b.nbytes]
-        if bad:
-            raise IpcHandshakeError(f"rank {self.rank}: source rank {e.rank} stages buckets that do not match this "
-                                    f"rank's plan (buckets {bad[:8]}): both must build their plans from the same "
-                                    "rosters")
-
-    def _map(self, e: IpcRosterEntry) -> _Peer:
+    def _map(self, e: IpcRosterEntry, *, reads: bool) -> _Peer:
+        """A peer's control words and liveness; with ``reads``, the memory this rank copies from."""
         live = _Liveness(e.pid, visible=e.pid_namespace == pid_namespace())
         if not live.alive():
             live.close()
             raise IpcHandshakeError(f"rank {self.rank}: peer rank {e.rank} ({e.name}, pid {e.pid}) is not running")
         control = _Segment(e.control, create=False)
         peer = _Peer(e, control, control.words(), live)
-        if e.rank in self._recvs:
+        if reads:
             local = _IN_PROCESS.get(e.name) if e.pid == os.getpid() and e.pid_namespace == pid_namespace() else None
             try:
                 for rid, region in e.regions.items():
@@ -765,40 +722,213 @@ class IpcTransport(OneSidedTransport):
                 raise
         return peer
 
+    @property
+    def mapped_regions(self) -> int:
+        """How many peer allocations this rank holds mapped (for leak checks)."""
+        return sum(len(p.mapped) for p in self._peers.values())
+
+    # -- the words a refit is signalled by ---------------------------------------------------------
+    def publish(self, gen: int) -> None:
+        """A source's data for refit ``gen`` is readable."""
+        self._words[0] = gen
+
+    def report_done(self, source: int, gen: int) -> None:
+        """This receiver's copies of refit ``gen`` from ``source`` landed: it may change its tensors."""
+        self._words[1 + source] = gen
+
+    def published(self, source: int) -> int:
+        return int(self._peers[source].words[0])
+
+    def reported(self, receiver: int) -> int:
+        return int(self._peers[receiver].words[1 + self.rank])
+
+    def peer(self, rank: int) -> _Peer:
+        return self._peers[rank]
+
+    def give_up(self) -> None:
+        """This rank left its refit: its peers stop waiting for it now, not at their deadline (a
+        new membership clears the mark)."""
+        self._aborted.set()
+        if self._words.size:
+            self._words[GONE] = 1
+
+    def abort(self) -> None:
+        """Make a refit in progress raise ``RefitAborted`` now, and the peers waiting on this
+        rank at their next check (idempotent; thread-safe)."""
+        super().abort()
+        if self._words.size:
+            self._words[GONE] = 1
+
+    def gone(self, peer: int) -> str | None:
+        """Why ``peer`` will not answer (its process exited, or it gave up), or None."""
+        p = self._peers[peer]
+        if not p.live.alive():
+            return f"its process (pid {p.entry.pid}) exited"
+        if p.words.size and p.words[GONE]:
+            return "it aborted its refit or closed its transport"
+        return None
+
+    def drop_peer(self, peer: int) -> None:
+        """Close a failed peer's mappings; no refit runs before a new membership maps the survivors again."""
+        p = self._peers.get(peer)
+        if p is None:
+            return
+        if self.bound is not None:
+            self.bound.forget(peer)
+        for m in p.mapped.values():
+            if isinstance(m, _Segment):
+                m.close()
+        p.mapped.clear()
+        p.dropped = True
+        self._installed_digest = None
+
+    def peer_name(self, peer: int) -> str:
+        return self._peers[peer].entry.name
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every mapping and remove this rank's segments (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.bound is not None:
+            self.bound.forget_all()
+        for p in self._peers.values():
+            p.close()
+        self._peers = {}
+        self._keep, self._regions = {}, {}
+        _IN_PROCESS.pop(self.name, None)
+        self._drop_staging()
+        if self._words.size:
+            self._words[GONE] = 1
+        self._words = np.zeros(0, dtype=np.int64)
+        self._control.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_owner_pid", None) != os.getpid():
+            return  # a forked child's copy: closing it would mark the parent's channel gone to its peers
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"IpcChannel(rank={self.rank}, name={self.name!r}, epoch={self.epoch})"
+
+
+class IpcExecutor(Executor):
+    """One rank's ``RankPlan`` over an ``IpcChannel``: the channel (its segments and mappings)
+    outlives the plan. See the module docstring for one refit."""
+
+    transport = "ipc"
+
+    def __init__(self, plan: RankPlan, channel: IpcChannel):
+        if plan.fanout and (plan.gather_sends or plan.gather_recvs):
+            raise PlanError("the IPC transport runs plans without replica fan-out (build_rank_plan(fanout=False))")
+        # One executor per plan a controller builds: a rank of this host killed since the last
+        # build left its segments (the weights it staged, in plain form), and nothing else would
+        # remove them. Not at prepare, which a rebind repeats on the refit's own path.
+        _sweep_quietly()
+        super().__init__(plan, None)
+        self.channel = channel
+        self.device: torch.device | None = None
+        self.sends: dict[int, list[Bucket]] = {}
+        self.recvs: dict[int, list[Bucket]] = {}
+        self._copies: dict[int, list[_Copy]] = {}
+        self._graphs: dict[int, Any] = {}  # source rank -> the CUDA graph of its copies
+        self._scratch: StagingPool | None = None
+        # one kernel per refit that copies and sums (receiver) or sums (sender): made on the
+        # first verified run, None where some block cannot take it (then the eager path runs)
+        self._fused_recv: dict[int, _FusedSums | None] = {}
+        self._fused_send: _FusedSums | None | bool = False  # False: not made yet
+        self._side_stream: Any = None
+
+    # -- binding and membership --------------------------------------------------------------------
+    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
+        """Export what this rank's receivers read, on the channel (on a GPU the source tensors
+        themselves, so ``src`` must hold the weights at every refit; on the host the sends are
+        packed into one shared segment)."""
+        self.device = self.channel.device_for(self.plan.rank, src, dst)
+        self.sends = self._by_peer(self.plan.sends, src, "src")
+        self.recvs = self._by_peer(self.plan.recvs, dst, "dst")
+        self._fused_send, self._fused_recv = False, {}
+        self.channel.bind(self, src, self._signature(src, dst))
+
+    def _by_peer(self, buckets: Sequence[Bucket], tensors: TensorMap, side: str) -> dict[int, list[Bucket]]:
+        out: dict[int, list[Bucket]] = {}
+        for b in buckets:
+            missing = sorted({op.name for op in b.ops} - set(tensors))
+            if missing:
+                raise PlanError(f"rank {self.plan.rank}: the plan {'sends' if side == 'src' else 'receives'} "
+                                f"{missing} but no {side} tensor was given for it")
+            out.setdefault(b.peer, []).append(b)
+        for bs in out.values():
+            bs.sort(key=lambda b: b.index)
+        return out
+
+    def peers(self) -> list[int]:
+        return sorted(set(self.sends) | set(self.recvs))
+
+    def receives_from(self, rank: int) -> bool:
+        return rank in self.recvs
+
+    def check_sources(self, roster: Mapping[int, IpcRosterEntry]) -> None:
+        """Every source's export covers every bucket this rank receives from it."""
+        for rank, mine in self.recvs.items():
+            e = roster[rank]
+            if e.device >= 0 and self.device.type != "cuda":
+                raise IpcHandshakeError(f"rank {self.plan.rank} moves host tensors, but source rank {e.rank} exports "
+                                        f"GPU memory (cuda:{e.device}): both ends of the IPC transport must be on "
+                                        "GPUs, or the source on the host")
+            if e.device >= 0:
+                lacking = sorted({op.name for b in mine for op in b.ops} - set(e.tensors))
+                if lacking:
+                    raise IpcHandshakeError(f"rank {self.plan.rank}: source rank {e.rank} does not export "
+                                            f"{lacking[:8]}, which this rank's plan reads from it: both must build "
+                                            "their plans from the same rosters")
+                continue
+            bad = [b.index for b in mine if e.staged.get((self.plan.rank, b.index), (0, 0, -1))[2] != b.nbytes]
+            if bad:
+                raise IpcHandshakeError(f"rank {self.plan.rank}: source rank {e.rank} stages buckets that do not "
+                                        f"match this rank's plan (buckets {bad[:8]}): both must build their plans "
+                                        "from the same rosters")
+
+    def install(self, peers: Mapping[int, _Peer]) -> None:
+        """The copies from every mapped source (and their CUDA graphs), after a new membership."""
+        self._copies = {p: [self._copy_of(b, peers[p]) for b in bs] for p, bs in self.recvs.items()}
+        self._graphs = {p: g for p, cs in self._copies.items() if (g := self._capture(p, cs)) is not None}
+        self._fused_recv = {}
+
+    def forget(self, peer: int) -> None:
+        """Drop what reads a failed peer's memory."""
+        self._copies.pop(peer, None)
+        self._graphs.pop(peer, None)
+        self._fused_recv.pop(peer, None)
+
+    def forget_all(self) -> None:
+        self._copies, self._graphs, self._fused_recv = {}, {}, {}
+        self._fused_send = False
+
     def _copy_of(self, b: Bucket, peer: _Peer) -> _Copy:
         e = peer.entry
         if e.device < 0:
-            rid, off, n = e.staged[(self.rank, b.index)]
+            rid, off, n = e.staged[(self.plan.rank, b.index)]
             return _Copy(b, [], staged=peer.mapped[rid].tensor()[off: off + n])
         pairs = []
         cross = self.device.type != "cuda" or self.device.index != e.device
         for op in b.ops:
             rid, off, dtype, shape, stride = e.tensors[op.name]
             src = _view_of(peer.mapped[rid], off, dtype_from_name(dtype), shape, stride)[op.box.src_slices()]
-            dst = self._dst[op.name][op.box.dst_slices()]
+            dst = self.dst[op.name][op.box.dst_slices()]
             pairs.append((dst, src))
         copy = _Copy(b, pairs)
         if cross and any(not (d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype) for d, s in pairs):
             copy.bounce = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
         return copy
 
-    def abort(self) -> None:
-        """Make a ``run`` in progress raise ``RefitAborted`` now, and the peers waiting on this
-        rank at their next check (idempotent; thread-safe)."""
-        super().abort()
-        if self._words.size:
-            self._words[GONE] = 1
-
-    @property
-    def mapped_regions(self) -> int:
-        """How many peer allocations this rank holds mapped (for leak checks)."""
-        return sum(len(p.mapped) for p in self._peers.values())
-
     # -- one refit --------------------------------------------------------------------------------
-    def run(self, src: Mapping[str, torch.Tensor] | None = None, dst: Mapping[str, torch.Tensor] | None = None,
-            *, timeout_s: float | None = None, verify: bool | None = None,
-            corrupt: Corruption | None = None) -> TransferStats:
-        """One refit of the prepared plan; returns this rank's ``TransferStats``.
+    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
+        """One refit of the bound plan; returns this rank's ``TransferStats``.
 
         Raises ``RefitAborted`` naming the peer when one is gone or stays silent past the
         deadline (the other peers' transfers still complete), ``IpcHandshakeError`` when
@@ -806,20 +936,16 @@ class IpcTransport(OneSidedTransport):
         receiver reads after the sender's checksum was taken.
         """
         try:
-            return self._run(src, dst, timeout_s=timeout_s, verify=verify, corrupt=corrupt)
+            return self._refit(verify, corrupt)
         except BaseException:
-            # a rank that gives up says so at once: its peers stop waiting for it now, not at
-            # their deadline (a new membership clears the mark)
-            self._aborted.set()
-            if self._words.size:
-                self._words[GONE] = 1
+            self.channel.give_up()
             raise
 
-    def _run(self, src, dst, *, timeout_s, verify, corrupt) -> TransferStats:
-        src = self._src if src is None else src
-        dst = self._dst if dst is None else dst
-        rnd = self._begin_round(timeout_s=timeout_s, verify=verify, check=lambda: self._check_bound(src, dst))
-        gen = _generation(self.epoch, rnd.seq)
+    def _refit(self, verify: bool, corrupt: Corruption | None) -> TransferStats:
+        ch = self.channel
+        src, dst = self.src, self.dst
+        rnd = ch.begin_round(verify=verify)
+        gen = _generation(ch.epoch, rnd.seq)
         stats, ledger = rnd.stats, rnd.ledger
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
@@ -832,9 +958,9 @@ class IpcTransport(OneSidedTransport):
         finally:
             for view, saved in restore:
                 view.copy_(saved)
-        self._raise_failed(rnd)
-        stats.zero_copy_buckets = sum(len(bs) for bs in self._recvs.values()) if cuda else 0
-        stats.staging_capacity_bytes = self._staging.nbytes if self._staging is not None else 0
+        ch.raise_failed(rnd)
+        stats.zero_copy_buckets = sum(len(bs) for bs in self.recvs.values()) if cuda else 0
+        stats.staging_capacity_bytes = ch.staging_bytes
         stats.peak_staging_bytes = stats.staging_capacity_bytes
         if ledger is not None:
             if side is not None:
@@ -858,13 +984,13 @@ class IpcTransport(OneSidedTransport):
             with torch.cuda.stream(side):
                 fused_send.batch.launch()
             fused_send.record(ledger, sent=True)
-        for peer, bs in self._sends.items():
+        for peer, bs in self.sends.items():
             for b in bs:
                 if cuda:
                     if fused_send is None and (ledger is not None or corrupt is not None):
                         self._sum_or_corrupt(b, src, ledger, corrupt, restore)
                 else:
-                    buf = pack_bucket(b, src, self._staged_views[(peer, b.index)], ledger=ledger,
+                    buf = pack_bucket(b, src, self.channel.staged_view(peer, b.index), ledger=ledger,
                                       key=(peer, b.index))
                     if corrupt is not None:
                         corrupt(peer, b.index, buf)
@@ -872,59 +998,61 @@ class IpcTransport(OneSidedTransport):
                 stats.buckets_sent += 1
         if cuda:
             torch.cuda.current_stream(self.device).synchronize()
-        self._words[0] = gen
+        self.channel.publish(gen)
         return side
 
     def _exchange(self, dst: TensorMap, gen: int, rnd: OneSidedRound) -> None:
         """Poll the peers' words: read each source once it published (and say 'done' once the
         copies landed), and wait for every receiver's 'done'."""
-        awaiting = set(self._recvs)
+        awaiting = set(self.recvs)
         landing: dict[int, Any] = {}  # source -> CUDA event of its copies
-        unreported = set(self._sends)
+        unreported = set(self.sends)
 
         def step() -> int:
             progress = 0
             for p in sorted(awaiting):
-                have = int(self._peers[p].words[0])
+                have = self.channel.published(p)
                 if have == gen:
                     awaiting.discard(p)
                     landing[p] = self._receive(p, dst, rnd.stats, rnd.ledger)
                     progress += 1
                 elif have > gen:
-                    raise IpcHandshakeError(f"{self._where(rnd.seq)}: source rank {p} published {_describe(have)}, "
+                    raise IpcHandshakeError(f"{self.channel.where(rnd.seq)}: source rank {p} published "
+                                            f"{_describe(have)}, "
                                             "ahead of this rank: the two installed different memberships")
             for p in list(landing):
                 event = landing[p]
                 if event is None or event.query():
                     del landing[p]
-                    self._words[1 + p] = gen
+                    self.channel.report_done(p, gen)
                     progress += 1
             for p in sorted(unreported):
-                have = int(self._peers[p].words[1 + self.rank])
+                have = self.channel.reported(p)
                 if have == gen:
                     unreported.discard(p)
                     progress += 1
                 elif have > gen:
-                    raise IpcHandshakeError(f"{self._where(rnd.seq)}: receiver rank {p} reported {_describe(have)} "
-                                            "done, ahead of this rank: the two installed different memberships")
+                    raise IpcHandshakeError(f"{self.channel.where(rnd.seq)}: receiver rank {p} reported "
+                                            f"{_describe(have)} done, ahead of this rank: the two installed "
+                                            "different memberships")
             return progress
 
         def probe() -> None:
             for p in sorted(awaiting | unreported):
-                why = self._gone(p)
+                why = self.channel.gone(p)
                 if why:
                     rnd.failed[p] = why
                     awaiting.discard(p)
                     unreported.discard(p)
-                    self._drop_mappings(p)
+                    self.channel.drop_peer(p)
 
         def nap(idle: int) -> None:
             if landing and not awaiting and not unreported and len(landing) == 1:
                 next(iter(landing.values())).synchronize()  # only this rank's own copies are left
             else:
-                self._nap(idle)
+                self.channel.nap(idle)
 
-        self._poll_round(rnd, pending=lambda: bool(awaiting or landing or unreported), step=step,
+        self.channel.poll_round(rnd, pending=lambda: bool(awaiting or landing or unreported), step=step,
                          missing=lambda: self._missing(awaiting, unreported, rnd.failed), probe=probe, nap=nap)
 
     def _side(self) -> Any:
@@ -936,11 +1064,11 @@ class IpcTransport(OneSidedTransport):
         """The sender's sums of every block it exports, as one read-only kernel (made once per prepare)."""
         if self._fused_send is False:
             self._fused_send = None
-            buckets = [b for bs in self._sends.values() for b in bs]
-            casts = any(self._src[op.name].dtype != dtype_from_name(op.dst_dtype) for b in buckets for op in b.ops)
+            buckets = [b for bs in self.sends.values() for b in bs]
+            casts = any(self.src[op.name].dtype != dtype_from_name(op.dst_dtype) for b in buckets for op in b.ops)
             if fused_enabled(self.device) and not casts:  # a cast block is summed as the receiver casts it
                 self._fused_send = _fuse(self.device, [
-                    (b, [(None, self._src[op.name][op.box.src_slices()]) for op in b.ops]) for b in buckets])
+                    (b, [(None, self.src[op.name][op.box.src_slices()]) for op in b.ops]) for b in buckets])
         return self._fused_send
 
     def _fused_receives(self, peer: int) -> _FusedSums | None:
@@ -958,7 +1086,7 @@ class IpcTransport(OneSidedTransport):
         between the copies cost about a fifth of the refit on one GPU. Strided blocks from
         another GPU (through a local buffer) stay eager; so does everything if capture fails.
         """
-        if not self.graphs or self.device.type != "cuda" or not copies:
+        if not self.channel.graphs or self.device.type != "cuda" or not copies:
             return None
         if len(_IN_PROCESS) > 1:  # endpoints on threads of one process: their CUDA work would break a capture
             return None
@@ -973,7 +1101,7 @@ class IpcTransport(OneSidedTransport):
         except Exception as e:  # the eager copies are as correct, only slower
             _FAILED_CAPTURES.append(graph)  # torch aborts the process when a failed capture is destroyed
             log.warning("rank %d: the copies from rank %d could not be captured as a CUDA graph (%s: %s); "
-                        "they run eagerly", self.rank, peer, type(e).__name__, e)
+                        "they run eagerly", self.plan.rank, peer, type(e).__name__, e)
             return None
         return graph
 
@@ -1058,41 +1186,17 @@ class IpcTransport(OneSidedTransport):
                 restore.append((view, view.clone()))
                 corrupt(b.peer, b.index, view)
 
-    def _gone(self, peer: int) -> str | None:
-        p = self._peers[peer]
-        if not p.live.alive():
-            return f"its process (pid {p.entry.pid}) exited"
-        if p.words.size and p.words[GONE]:
-            return "it aborted its refit or closed its transport"
-        return None
-
-    def _drop_mappings(self, peer: int) -> None:
-        p = self._peers.get(peer)
-        if p is None:
-            return
-        self._copies.pop(peer, None)
-        self._graphs.pop(peer, None)
-        self._fused_recv.pop(peer, None)
-        for m in p.mapped.values():
-            if isinstance(m, _Segment):
-                m.close()
-        p.mapped.clear()
-        p.dropped = True
-        self._installed_digest = None  # no run before a new membership maps the survivors again
-
     def _missing(self, awaiting, unreported, failed) -> str:
-        parts = [self._failures(failed)] if failed else []
+        ch = self.channel
+        parts = [ch.failures(failed)] if failed else []
         if awaiting:
             parts.append("no data from source rank(s) " + ", ".join(
-                f"{p} ({self._peers[p].entry.name}, pid {self._peers[p].entry.pid}: at "
-                f"{_describe(int(self._peers[p].words[0]))})" for p in sorted(awaiting)))
+                f"{p} ({ch.peer(p).entry.name}, pid {ch.peer(p).entry.pid}: at {_describe(ch.published(p))})"
+                for p in sorted(awaiting)))
         if unreported:
             parts.append("no 'done' from receiver rank(s) " + ", ".join(
-                f"{p} ({self._peers[p].entry.name}, pid {self._peers[p].entry.pid})" for p in sorted(unreported)))
+                f"{p} ({ch.peer(p).entry.name}, pid {ch.peer(p).entry.pid})" for p in sorted(unreported)))
         return "; ".join(parts) or "nothing outstanding"
-
-    def _peer_name(self, peer: int) -> str:
-        return self._peers[peer].entry.name
 
     def _signature(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> tuple:
         """Where the memory a GPU refit reads and writes is: the exported source tensors and
@@ -1100,9 +1204,9 @@ class IpcTransport(OneSidedTransport):
         sources are packed and the destinations unpacked at every run, so any tensors do."""
         if self.device is None or self.device.type != "cuda":
             return ()
-        names = {op.name for bs in self._recvs.values() for b in bs for op in b.ops}
+        names = {op.name for bs in self.recvs.values() for b in bs for op in b.ops}
         out = []
-        for n in sorted(self._tensors):
+        for n in sorted({op.name for bs in self.sends.values() for b in bs for op in b.ops}):
             t = src.get(n)
             out.append(("src", n) if t is None else ("src", n, t.untyped_storage().data_ptr(), t.storage_offset(),
                                                      tuple(t.shape), tuple(t.stride()), t.dtype))
@@ -1112,60 +1216,10 @@ class IpcTransport(OneSidedTransport):
                                                      t.dtype))
         return tuple(out)
 
-    def _check_bound(self, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
-        if self.device.type != "cuda" or self._signature(src, dst) == self._bound_sig:
-            return
-        raise IpcHandshakeError(f"rank {self.rank}: tensors are not where they were exported and mapped at the "
-                                "handshake; prepare() with the new tensors, then relay local_roster_entry() with "
-                                "update_membership()")
-
-    # -- teardown ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close every mapping and remove this rank's segments (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        for p in self._peers.values():
-            p.close()
-        self._peers, self._copies, self._graphs, self._fused_recv = {}, {}, {}, {}
-        self._fused_send = False
-        self._keep, self._regions = {}, {}
-        _IN_PROCESS.pop(self.name, None)
-        self._drop_staging()
-        if self._words.size:
-            self._words[GONE] = 1
-        self._words = np.zeros(0, dtype=np.int64)
-        self._control.close()
+    def _release(self) -> None:
+        self.forget_all()
+        if self.channel.bound is self:
+            self.channel.bound = None
         if self._scratch is not None:
             self._scratch.release()
-
-    def __del__(self) -> None:
-        if getattr(self, "_owner_pid", None) != os.getpid():
-            return  # a forked child's copy: closing it would mark the parent's transport gone to its peers
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
-
-    def __repr__(self) -> str:
-        return f"IpcTransport(rank={self.rank}, name={self.name!r}, epoch={self.epoch})"
-
-
-class IpcExecutor(Executor):
-    """One plan on an ``IpcTransport``: the transport (its segments and mappings) outlives the plan."""
-
-    transport = "ipc"
-
-    def __init__(self, plan: RankPlan, ipc: IpcTransport):
-        # One executor per plan a controller builds: a rank of this host killed since the last
-        # build left its segments (the weights it staged, in plain form), and nothing else would
-        # remove them. Not at prepare, which a rebind repeats on the refit's own path.
-        _sweep_quietly()
-        super().__init__(plan, None)
-        self.ipc = ipc
-
-    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
-        self.ipc.prepare(self.plan, src, dst)
-
-    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
-        return self.ipc.run(self.src, self.dst, verify=verify, corrupt=corrupt)
+            self._scratch = None

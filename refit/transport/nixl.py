@@ -8,14 +8,15 @@ collective, barrier or process group is touched on the refit path.
 
 Setup, once per plan (and again only when the plan or the membership changes):
 
-    t = NixlTransport(rank, device=dev)
-    t.prepare(plan, src, dst)           # register send / receive buffers (once)
-    entry = t.local_roster_entry()      # agent metadata + this rank's receive descriptors
+    channel = NixlChannel(rank, device=dev)   # the agent: kept across plans
+    executor = NixlExecutor(plan, channel)
+    executor.prepare(src, dst)                # register send / receive buffers (once)
+    entry = channel.local_roster_entry()      # agent metadata + this rank's receive descriptors
     ... the controller gathers every rank's entry and relays the roster ...
-    t.update_membership(roster, epoch)  # load new peers point to point; cached from now on
+    channel.update_membership(roster, epoch)  # load new peers point to point; cached from now on
 
-or, where a process group is at hand, ``t.handshake(group)`` does the three steps with one
-``all_gather_object``. Then every refit is ``t.run(src, dst)``:
+or, where a process group is at hand, ``channel.handshake(group)`` gathers and installs the
+roster with one ``all_gather_object``. Then every refit is ``executor.run()``:
 
 1. every receiver sends each of its sources a *ready* notification (its receive buffers
    are free: it finished unpacking the previous refit);
@@ -29,8 +30,8 @@ at 0 with each epoch), so a late message from an aborted refit or an old members
 never taken for a current one, and a node that joined later is in step at its first
 refit. The *ready* message also carries the digest of the receiver's descriptor map: a
 source whose cached map is older raises ``NixlHandshakeError`` instead of writing into
-memory the receiver no longer owns, and so does a receiver whose destination tensors
-moved since the handshake.
+memory the receiver no longer owns; a receiver whose destination tensors moved rebinds
+(new registrations, a new digest) and refuses to run until a new handshake.
 
 Every wait has a deadline (``timeout_s``, or the one ``RefitAbortWatchdog`` hands to
 ``set_deadline``), and a peer that stays silent is probed with a tiny notification, which
@@ -70,13 +71,13 @@ from refit.plan import Bucket, RankPlan
 from refit.transport.base import Corruption, Executor, TensorMap, TransferStats
 from refit.transport.buckets import ChecksumLedger, direct_view, local_copies, op_view, pack_bucket, unpack_bucket
 from refit.transport.copy_sum import CopySumBatch, NotFusable, fused_enabled
-from refit.transport.one_sided import OneSidedRound, OneSidedTransport
+from refit.transport.one_sided import OneSidedChannel, OneSidedRound
 
 __all__ = [
+    "NixlChannel",
     "NixlExecutor",
     "NixlHandshakeError",
     "NixlRosterEntry",
-    "NixlTransport",
     "NixlUnavailable",
     "apply_gpu_tls",
     "gpu_ucx_tls",
@@ -339,23 +340,25 @@ class _Flight:
         self.awaiting.pop(peer, None)
 
 
-class NixlTransport(OneSidedTransport):
-    """Runs one rank's ``RankPlan`` with NIXL one-sided WRITEs; see the module docstring.
+class NixlChannel(OneSidedChannel):
+    """This rank's NIXL agent and what it knows of its peers, kept across plans; see the module docstring.
+
+    It holds what outlives a plan: the agent, the memory registered with it, the peers'
+    agents loaded into it, the WRITE handles, the notifications, and the membership epoch.
+    A ``NixlExecutor`` is one plan on it.
 
     Args:
         rank: this rank's id in the plans and rosters.
-        device: where this rank's tensors live (inferred from the tensors at ``prepare``
-            when None). For CUDA, a host-only ``UCX_TLS`` gets the CUDA transports added
-            before the NIXL agent starts.
+        device: where this rank's tensors live (inferred from the tensors when an executor
+            binds, when None). For CUDA, a host-only ``UCX_TLS`` gets the CUDA transports
+            added before the NIXL agent starts.
         agent_name: unique per rank AND per incarnation; the default adds a random suffix
             to the rank, since separate worlds (a trainer's and an engine's) each have a
             rank 0, and a restarted rank must not be mistaken for the one it replaces.
-        timeout_s: default deadline of one ``run`` (``run(timeout_s=...)`` and
-            ``set_deadline`` override it).
+        timeout_s: default deadline of one refit (``set_deadline`` overrides it).
         chunk_bytes: bytes per WRITE (and data notification) to one peer.
         direct: write from / into the tensors themselves when a bucket is one contiguous
             block with no cast (registers the tensors' storage).
-        verify: record per-bucket checksums in the returned ``TransferStats``.
         progress_thread: NIXL's progress thread (it spins a core; the refit loop drives
             progress itself, so it is off by default).
         backends: NIXL backends to create (``["UCX"]``).
@@ -368,44 +371,37 @@ class NixlTransport(OneSidedTransport):
 
     def __init__(self, rank: int, *, device: torch.device | str | None = None, agent_name: str | None = None,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 direct: bool = True, verify: bool = False, progress_thread: bool = False,
-                 backends: Sequence[str] = ("UCX",), probe_interval_s: float = DEFAULT_PROBE_S):
+                 direct: bool = True, progress_thread: bool = False, backends: Sequence[str] = ("UCX",),
+                 probe_interval_s: float = DEFAULT_PROBE_S):
         if chunk_bytes < 1:
             raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
         super().__init__(rank)
         self.agent_name = agent_name or f"refit-nixl-r{self.rank}-{uuid.uuid4().hex[:12]}"
-        # fused copies (and, verified, checksums) of this plan's staged and in-place buckets on a
-        # GPU: made when first used, None where a bucket cannot take them
-        self._fused: dict[tuple, _FusedSlots | None] = {}
-        self._fused_src: tuple = ()  # the source tensors the send batches describe
-        self._side_stream: Any = None
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
         self.chunk_bytes = int(chunk_bytes)
         self.direct = direct
-        self.verify = verify
         self.probe_interval_s = probe_interval_s
         self._progress_thread = progress_thread
         self._backends = list(backends)
         self._nixl = load_nixl()
         self.agent = None
-        self._mem_type = "DRAM"
-        self._dev = 0
-        self._sends: dict[int, _Pair] = {}
-        self._recvs: dict[int, _Pair] = {}
+        self.mem_type = "DRAM"
+        self.dev = 0
         self._regs: dict[int, tuple[Any, Any]] = {}  # storage ptr -> (registration, keep-alive)
         self._recv_descs: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._remotes: dict[int, _Remote] = {}  # plan peers by rank, from the installed roster
         self._loaded: dict[str, bytes] = {}  # remote agents loaded into NIXL: name -> metadata
         self._handles: dict[tuple[int, int], tuple[tuple, Any]] = {}
         self._inbox: dict[tuple[bytes, int, int, int], list[tuple[str, bytes]]] = {}
-        self._src: Mapping[str, torch.Tensor] = {}
-        self._dst: Mapping[str, torch.Tensor] = {}
+        # the pairs (sends, receives) of the plan bound last: a new plan keeps those that did not change
+        self.last_pairs: tuple[dict[int, _Pair], dict[int, _Pair]] = ({}, {})
         if self.device is not None:
-            self._start(self.device)
+            self.start(self.device)
 
     # -- agent and memory --------------------------------------------------------------------
-    def _start(self, device: torch.device) -> None:
+    def start(self, device: torch.device) -> None:
+        """Start the agent for tensors on ``device`` (once)."""
         if self.agent is not None:
             return
         if device.type == "cuda":
@@ -413,18 +409,25 @@ class NixlTransport(OneSidedTransport):
         cfg = self._nixl.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=self._backends)
         self.agent = self._nixl.nixl_agent(self.agent_name, cfg)
         self.device = device
-        self._mem_type = "VRAM" if device.type == "cuda" else "DRAM"
-        self._dev = _device_index(device)
+        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        self.dev = _device_index(device)
 
-    def _register(self, t: torch.Tensor) -> int:
+    def register(self, t: torch.Tensor) -> int:
         """Register the storage under ``t`` once; return its address."""
         ptr, nbytes = _storage_span(t)
         if ptr not in self._regs and nbytes:
-            reg = self.agent.register_memory([(ptr, nbytes, self._dev, "")], self._mem_type)
+            reg = self.agent.register_memory([(ptr, nbytes, self.dev, "")], self.mem_type)
             self._regs[ptr] = (reg, t.untyped_storage())
         return ptr
 
-    def _deregister(self, ptrs) -> None:
+    def registered(self, t: torch.Tensor) -> bool:
+        return _storage_span(t)[0] in self._regs
+
+    @property
+    def registrations(self) -> set[int]:
+        return set(self._regs)
+
+    def deregister(self, ptrs) -> None:
         for ptr in list(ptrs):
             got = self._regs.pop(ptr, None)
             if got is not None:
@@ -433,104 +436,47 @@ class NixlTransport(OneSidedTransport):
                 except Exception as e:  # best effort: the memory goes anyway
                     log.warning("NIXL deregister of 0x%x failed: %s", ptr, e)
 
-    def _release_handles(self, peer: int | None = None) -> None:
+    def release_handles(self, peer: int | None = None) -> None:
         for key in [k for k in self._handles if peer is None or k[0] == peer]:
-            _, h = self._handles.pop(key)
+            self.release_handle(key)
+
+    def release_handle(self, key) -> None:
+        got = self._handles.pop(key, None)
+        if got is not None:
             try:
-                self.agent.release_xfer_handle(h)
+                self.agent.release_xfer_handle(got[1])
             except Exception:  # a handle of a dead peer may refuse release
                 pass
 
-    # -- setup ------------------------------------------------------------------------------
-    def prepare(self, plan: RankPlan, src: Mapping[str, torch.Tensor] | None = None,
-                dst: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Register this rank's send and receive buffers for ``plan`` (replacing any earlier plan).
+    def release_handles_over(self, ptrs) -> None:
+        """Release the WRITE handles whose local memory is any of ``ptrs`` (about to be deregistered)."""
+        for key in [k for k, (descs, _) in self._handles.items() if any(d[0] in ptrs for d in descs)]:
+            self.release_handle(key)
 
-        ``src`` / ``dst`` are this rank's local tensors by param name; with ``direct``,
-        buckets that are one contiguous block are registered in place, so ``dst`` must be
-        the tensors the weights land in at every ``run``. Peers learn of the new buffers
-        only through ``local_roster_entry`` + ``update_membership``: until then ``run``
-        raises ``NixlHandshakeError``.
-        """
+    # -- a plan's receive buffers ----------------------------------------------------------------
+    def bind(self, executor: NixlExecutor, recv_descs: Mapping[tuple[int, int], tuple[int, int, int]],
+             used: set[int]) -> None:
+        """Serve ``executor``'s plan: its receive descriptors go in this rank's roster entry, and
+        registrations it does not use (``used``) are let go."""
         self._check_open()
-        if plan.rank != self.rank:
-            # the controller renumbers ranks when the membership changes: the agent stays, the
-            # rank in the plans, descriptors and notifications follows the plan
-            self._release_handles()
-            self._sends, self._recvs = {}, {}
-            self.rank = plan.rank
-        if plan.fanout and (plan.gather_sends or plan.gather_recvs):
-            raise PlanError("the NIXL transport runs plans without replica fan-out (build_rank_plan(fanout=False))")
-        src, dst = dict(src or {}), dict(dst or {})
-        device = self.device
-        if device is None:
-            device = next((t.device for t in [*src.values(), *dst.values()]), torch.device("cpu"))
-        for name, t in [*src.items(), *dst.items()]:
-            if t.device.type != device.type:
-                raise PlanError(f"{name}: on {t.device}, but this NIXL transport moves {device} tensors")
-        self._start(device)
-        before = set(self._regs)
-        old_sends, old_recvs = self._sends, self._recvs
-        used: set[int] = set()
-        self.plan = plan
-        self._src, self._dst = src, dst
-        self._sends = self._pairs(plan.sends, src, "src", old_sends, used)
-        self._recvs = self._pairs(plan.recvs, dst, "dst", old_recvs, used)
-        for peer, pair in old_sends.items():
-            if self._sends.get(peer) is not pair:
-                self._release_handles(peer)
-        self._deregister(before - used)
-        self._recv_descs = {}
-        self._fused = {}
-        for peer, pair in self._recvs.items():
-            for s in pair.slots:
-                addr = s.addr if s.staging is None else s.staging.data_ptr() + s.offset
-                self._recv_descs[(peer, s.bucket.index)] = (addr, s.bucket.nbytes, self._dev)
-        self._local_digest = _digest(self.agent_name, self._mem_type, self._recv_descs)
+        self.bound = executor
+        self.last_pairs = (executor.sends, executor.recvs)
+        self.deregister(set(self._regs) - used)
+        self._recv_descs = dict(recv_descs)
+        self._local_digest = _digest(self.agent_name, self.mem_type, self._recv_descs)
 
-    def _pairs(self, buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], side: str,
-               old: Mapping[int, _Pair], used: set[int]) -> dict[int, _Pair]:
-        """One ``_Pair`` per peer; a pair whose buckets and in-place addresses did not change
-        keeps its staging and registrations (so its peer's cached handshake stays valid)."""
-        by_peer: dict[int, list[Bucket]] = {}
-        for b in buckets:
-            by_peer.setdefault(b.peer, []).append(b)
-        pairs = {}
-        for peer, bs in sorted(by_peer.items()):
-            bs.sort(key=lambda b: b.index)
-            views = []
-            for b in bs:
-                missing = sorted({op.name for op in b.ops} - set(tensors))
-                if missing:
-                    raise PlanError(f"rank {self.rank}: the plan {'sends' if side == 'src' else 'receives'} "
-                                    f"{missing} but no {side} tensor was given for it")
-                view = direct_view(b, tensors, side) if self.direct else None
-                views.append(view if view is not None and view.numel() else None)
-            sig = tuple((b, None if v is None else v.data_ptr()) for b, v in zip(bs, views))
-            prev = old.get(peer)
-            if prev is not None and prev.sig == sig:
-                pairs[peer] = prev
-                used |= prev.regs
-                continue
-            pair = _Pair(peer, sig=sig)
-            size = 0
-            for b, view in zip(bs, views):
-                if view is not None:
-                    pair.regs.add(self._register(tensors[b.ops[0].name]))
-                    pair.slots.append(_Slot(b, None, 0, view.data_ptr()))
-                else:
-                    pair.slots.append(_Slot(b, None, size))
-                    size = _align(size + b.nbytes)
-            if size:
-                pair.staging = torch.zeros(size, dtype=torch.uint8, device=self.device)
-                pair.regs.add(self._register(pair.staging))
-                for slot in pair.slots:
-                    if slot.addr == 0:
-                        slot.staging = pair.staging
-            pair.chunks = _chunks(peer, pair.slots, self.chunk_bytes)
-            used |= pair.regs
-            pairs[peer] = pair
-        return pairs
+    def renumber(self, rank: int) -> None:
+        """The controller renumbered this rank (a new membership): the agent stays, the rank in
+        the plans, descriptors and notifications follows the plan."""
+        if rank != self.rank:
+            self.release_handles()
+            self.last_pairs = ({}, {})
+            self.rank = rank
+
+    @property
+    def local_digest(self) -> str:
+        """The digest of this rank's receive descriptors, which its 'ready' notifications carry."""
+        return self._local_digest
 
     @property
     def identity(self) -> str:
@@ -543,32 +489,24 @@ class NixlTransport(OneSidedTransport):
     def local_roster_entry(self) -> NixlRosterEntry:
         """This rank's agent metadata and receive descriptors, for the controller to relay."""
         self._check_open()
-        if self.plan is None or self.agent is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before local_roster_entry()")
-        return NixlRosterEntry(self.rank, self.agent_name, bytes(self.agent.get_agent_metadata()), self._mem_type,
+        if self.bound is None or self.agent is None:
+            raise RefitError(f"rank {self.rank}: bind an executor (executor.prepare(src, dst)) before "
+                             "local_roster_entry()")
+        return NixlRosterEntry(self.rank, self.agent_name, bytes(self.agent.get_agent_metadata()), self.mem_type,
                                dict(self._recv_descs), self._local_digest)
 
     def update_membership(self, roster: Mapping[int, NixlRosterEntry], epoch: int) -> None:
         """Install the roster of membership ``epoch`` (relayed by the controller to every rank).
 
-        Peers of this rank's plan that are new, or whose agent or registrations changed,
-        are loaded point to point; agents no longer in the roster are dropped. No
-        collective: a node that joins only needs the new roster and a plan that counts
-        it, and is in step at the next ``run`` (sequence numbers restart with the epoch).
+        Peers of the bound plan that are new, or whose agent or registrations changed, are
+        loaded point to point; agents no longer in the roster are dropped. No collective: a
+        node that joins only needs the new roster and a plan that counts it, and is in step
+        at the next refit (sequence numbers restart with the epoch).
         """
-        peers = sorted(set(self._sends) | set(self._recvs))
+        executor = self.bound
+        peers = executor.peers() if executor is not None else []
         epoch = self._check_roster(roster, epoch, peers)
-        for p, pair in self._sends.items():
-            e = roster[p]
-            mine = {k for k in e.recv_descs if k[0] == self.rank}
-            want = {(self.rank, s.bucket.index) for s in pair.slots}
-            bad = [s.bucket.index for s in pair.slots
-                   if e.recv_descs.get((self.rank, s.bucket.index), (0, -1))[1] != s.bucket.nbytes]
-            if mine != want or bad:
-                raise NixlHandshakeError(
-                    f"rank {self.rank}: rank {p}'s receive descriptors do not match this rank's plan (it expects "
-                    f"buckets {sorted(i for _, i in mine)}, this rank sends {sorted(i for _, i in want)}, sizes differ "
-                    f"for {bad}): every rank must build its plan from the same rosters before the handshake")
+        executor.check_receivers(roster)
         wanted = {roster[p].agent_name for p in peers}
         for name in [n for n in self._loaded if n not in wanted]:
             self._drop_agent(name)
@@ -580,7 +518,7 @@ class NixlTransport(OneSidedTransport):
                     # an agent twice (NIXL_ERR_NOT_ALLOWED), so drop it, and the handles into it, first.
                     for q, r in list(self._remotes.items()):
                         if r.entry.agent_name == e.agent_name:
-                            self._release_handles(q)
+                            self.release_handles(q)
                     self._drop_agent(e.agent_name)
                 try:
                     name = self.agent.add_remote_agent(e.metadata)
@@ -595,7 +533,7 @@ class NixlTransport(OneSidedTransport):
         for p in set(self._remotes) | set(peers):
             old = self._remotes.get(p)
             if old is None or p not in peers or old.entry != roster[p]:
-                self._release_handles(p)
+                self.release_handles(p)
         self._remotes = {p: _Remote(roster[p]) for p in peers}
         self.epoch = epoch
         self.seq = 0
@@ -610,19 +548,26 @@ class NixlTransport(OneSidedTransport):
         except Exception as e:  # a dead agent may be gone already
             log.debug("remove_remote_agent(%s): %s", name, e)
 
-    # -- notifications -------------------------------------------------------------------------
-    def _msg(self, kind: bytes, seq: int, extra: str = "") -> bytes:
+    def remote(self, peer: int) -> NixlRosterEntry:
+        """``peer``'s entry in the installed roster."""
+        return self._remotes[peer].entry
+
+    def peer_name(self, peer: int) -> str:
+        return self._remotes[peer].entry.agent_name
+
+    # -- notifications and WRITEs ----------------------------------------------------------------
+    def message(self, kind: bytes, seq: int, extra: str = "") -> bytes:
         return b"|".join((_TAG, kind, str(self.epoch).encode(), str(seq).encode(), str(self.rank).encode(),
                           extra.encode()))
 
-    def _notify(self, peer: int, msg: bytes, what: str, seq: int) -> None:
+    def notify(self, peer: int, msg: bytes, what: str) -> None:
         name = self._remotes[peer].entry.agent_name
         try:
             self.agent.send_notif(name, msg)
         except Exception as e:  # a dead peer's endpoint fails here
             raise _PeerFailed(peer, f"unreachable while sending {what}: {type(e).__name__}: {e}") from None
 
-    def _poll(self, seq: int) -> int:
+    def poll(self, seq: int) -> int:
         """Move new notifications into the inbox; drop those of older epochs or refits."""
         got = self.agent.get_new_notifs()
         n = 0
@@ -642,27 +587,215 @@ class NixlTransport(OneSidedTransport):
                 n += 1
         return n
 
-    def _take(self, kind: bytes, seq: int, peer: int) -> list[bytes]:
+    def take(self, kind: bytes, seq: int, peer: int) -> list[bytes]:
         msgs = self._inbox.pop((kind, self.epoch, seq, peer), [])
         name = self._remotes[peer].entry.agent_name
         return [extra for sender, extra in msgs if sender == name]
 
+    def write(self, peer: int, key: tuple[int, int], local: list[tuple[int, int, int]],
+              remote: list[tuple[int, int, int]], msg: bytes) -> Any:
+        """WRITE ``local`` into ``peer``'s ``remote`` descriptors with the notification ``msg``; the
+        handle is cached under ``key`` while the local memory stays the same."""
+        entry = self._remotes[peer].entry
+        cached = self._handles.get(key)
+        if cached is None or cached[0] != tuple(local):
+            self.release_handle(key)
+            try:
+                h = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.mem_type),
+                                               self.agent.get_xfer_descs(remote, entry.mem_type),
+                                               entry.agent_name, b"")
+            except Exception as e:
+                raise _PeerFailed(peer, f"could not set up the WRITE: {type(e).__name__}: {e}") from None
+            self._handles[key] = (tuple(local), h)
+        h = self._handles[key][1]
+        try:
+            state = self.agent.transfer(h, msg)
+        except Exception as e:  # e.g. the receiver disconnected
+            self.release_handle(key)
+            raise _PeerFailed(peer, f"WRITE failed: {type(e).__name__}: {e}") from None
+        if state == "ERR":
+            self.release_handle(key)
+            raise _PeerFailed(peer, "WRITE failed to post (state ERR)")
+        return h
+
+    def state(self, h, peer: int) -> str:
+        """A posted WRITE's state; ``_PeerFailed`` when it failed."""
+        if h is None:
+            return "DONE"
+        try:
+            state = self.agent.check_xfer_state(h)
+        except Exception as e:
+            state, why = "ERR", f"{type(e).__name__}: {e}"
+        else:
+            why = "transfer state ERR"
+        if state == "ERR":
+            for key in [k for k, v in self._handles.items() if v[1] is h]:
+                self.release_handle(key)
+            raise _PeerFailed(peer, f"WRITE failed: {why}")
+        return state
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release handles, peers and registrations (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.agent is None:
+            return
+        self.release_handles()
+        for name in list(self._loaded):
+            self._drop_agent(name)
+        self._remotes = {}
+        self.deregister(list(self._regs))
+        self.agent = None
+
+    def __repr__(self) -> str:
+        return f"NixlChannel(rank={self.rank}, agent={self.agent_name!r}, epoch={self.epoch})"
+
+
+class NixlExecutor(Executor):
+    """One rank's ``RankPlan`` over a ``NixlChannel``: the channel (its agent and peers) outlives the plan.
+
+    ``prepare`` registers this rank's buffers for the plan; the peers learn of them when
+    the controller relays every rank's ``local_roster_entry()`` through the channel's
+    ``update_membership`` (or ``channel.handshake(group)``), before the first refit.
+    """
+
+    transport = "nixl"
+
+    def __init__(self, plan: RankPlan, channel: NixlChannel):
+        if plan.fanout and (plan.gather_sends or plan.gather_recvs):
+            raise PlanError("the NIXL transport runs plans without replica fan-out (build_rank_plan(fanout=False))")
+        super().__init__(plan, None)
+        self.channel = channel
+        self.device: torch.device | None = None
+        self.sends: dict[int, _Pair] = {}
+        self.recvs: dict[int, _Pair] = {}
+        # fused copies (and, verified, checksums) of this plan's staged and in-place buckets on a
+        # GPU: made when first used, None where a bucket cannot take them
+        self._fused: dict[tuple, _FusedSlots | None] = {}
+        self._fused_src: tuple = ()  # the source tensors the send batches describe
+        self._side_stream: Any = None
+
+    # -- binding ------------------------------------------------------------------------------
+    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
+        """Register this rank's send and receive buffers (replacing the channel's earlier plan).
+
+        With the channel's ``direct``, buckets that are one contiguous block are registered
+        in place, so ``dst`` must be the tensors the weights land in at every refit. Peers
+        learn of the new buffers only through ``local_roster_entry`` + ``update_membership``:
+        until then a refit raises ``NixlHandshakeError``.
+        """
+        ch = self.channel
+        ch._check_open()
+        device = ch.device
+        if device is None:
+            device = next((t.device for t in [*src.values(), *dst.values()]), torch.device("cpu"))
+        for name, t in [*src.items(), *dst.items()]:
+            if t.device.type != device.type:
+                raise PlanError(f"{name}: on {t.device}, but this NIXL transport moves {device} tensors")
+        ch.start(device)
+        self.device = ch.device
+        # a pair whose buckets and in-place addresses did not change keeps its staging and
+        # registrations, so its peer's cached handshake stays valid
+        ch.renumber(self.plan.rank)
+        old_sends, old_recvs = ch.last_pairs
+        used: set[int] = set()
+        self.sends = self._pairs(self.plan.sends, src, "src", old_sends, used)
+        self.recvs = self._pairs(self.plan.recvs, dst, "dst", old_recvs, used)
+        for peer, pair in old_sends.items():
+            if self.sends.get(peer) is not pair:
+                ch.release_handles(peer)
+        self._fused = {}
+        recv_descs = {}
+        for peer, pair in self.recvs.items():
+            for s in pair.slots:
+                addr = s.addr if s.staging is None else s.staging.data_ptr() + s.offset
+                recv_descs[(peer, s.bucket.index)] = (addr, s.bucket.nbytes, ch.dev)
+        ch.bind(self, recv_descs, used)
+
+    def _pairs(self, buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], side: str,
+               old: Mapping[int, _Pair], used: set[int]) -> dict[int, _Pair]:
+        """One ``_Pair`` per peer; a pair whose buckets and in-place addresses did not change
+        keeps its staging and registrations (so its peer's cached handshake stays valid)."""
+        ch = self.channel
+        by_peer: dict[int, list[Bucket]] = {}
+        for b in buckets:
+            by_peer.setdefault(b.peer, []).append(b)
+        pairs = {}
+        for peer, bs in sorted(by_peer.items()):
+            bs.sort(key=lambda b: b.index)
+            views = []
+            for b in bs:
+                missing = sorted({op.name for op in b.ops} - set(tensors))
+                if missing:
+                    raise PlanError(f"rank {self.plan.rank}: the plan {'sends' if side == 'src' else 'receives'} "
+                                    f"{missing} but no {side} tensor was given for it")
+                view = direct_view(b, tensors, side) if ch.direct else None
+                views.append(view if view is not None and view.numel() else None)
+            sig = tuple((b, None if v is None else v.data_ptr()) for b, v in zip(bs, views))
+            prev = old.get(peer)
+            if prev is not None and prev.sig == sig:
+                pairs[peer] = prev
+                used |= prev.regs
+                continue
+            pair = _Pair(peer, sig=sig)
+            size = 0
+            for b, view in zip(bs, views):
+                if view is not None:
+                    pair.regs.add(ch.register(tensors[b.ops[0].name]))
+                    pair.slots.append(_Slot(b, None, 0, view.data_ptr()))
+                else:
+                    pair.slots.append(_Slot(b, None, size))
+                    size = _align(size + b.nbytes)
+            if size:
+                pair.staging = torch.zeros(size, dtype=torch.uint8, device=self.device)
+                pair.regs.add(ch.register(pair.staging))
+                for slot in pair.slots:
+                    if slot.addr == 0:
+                        slot.staging = pair.staging
+            pair.chunks = _chunks(peer, pair.slots, ch.chunk_bytes)
+            used |= pair.regs
+            pairs[peer] = pair
+        return pairs
+
+    def peers(self) -> list[int]:
+        return sorted(set(self.sends) | set(self.recvs))
+
+    def check_receivers(self, roster: Mapping[int, NixlRosterEntry]) -> None:
+        """Every receiver's descriptors are for exactly the buckets this rank sends it, of their sizes."""
+        rank = self.plan.rank
+        for p, pair in self.sends.items():
+            e = roster[p]
+            mine = {k for k in e.recv_descs if k[0] == rank}
+            want = {(rank, s.bucket.index) for s in pair.slots}
+            bad = [s.bucket.index for s in pair.slots
+                   if e.recv_descs.get((rank, s.bucket.index), (0, -1))[1] != s.bucket.nbytes]
+            if mine != want or bad:
+                raise NixlHandshakeError(
+                    f"rank {rank}: rank {p}'s receive descriptors do not match this rank's plan (it expects "
+                    f"buckets {sorted(i for _, i in mine)}, this rank sends {sorted(i for _, i in want)}, sizes differ "
+                    f"for {bad}): every rank must build its plan from the same rosters before the handshake")
+
+    def _release(self) -> None:
+        if self.channel.bound is self:
+            self.channel.bound = None
+        self._fused = {}
+
     # -- one refit --------------------------------------------------------------------------------
-    def run(self, src: Mapping[str, torch.Tensor] | None = None, dst: Mapping[str, torch.Tensor] | None = None,
-            *, timeout_s: float | None = None, verify: bool | None = None,
-            corrupt: Corruption | None = None) -> TransferStats:
-        """One refit of the prepared plan; returns this rank's ``TransferStats``.
+    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
+        """One refit of the bound plan; returns this rank's ``TransferStats``.
 
         Raises ``RefitAborted`` (naming the peer) when a peer stays silent past the
-        deadline, is gone, or a WRITE fails; ``NixlHandshakeError`` when buffers changed
-        without a new handshake. ``corrupt`` (tests) mutates a bucket's bytes after its
-        checksum was taken. ``verify`` overrides the constructor's for this refit.
+        deadline, is gone, or a WRITE fails; ``NixlHandshakeError`` when a peer's buffers
+        changed without a new handshake. ``corrupt`` (tests) mutates a bucket's bytes after
+        its checksum was taken.
         """
-        src = self._src if src is None else src
-        dst = self._dst if dst is None else dst
-        rnd = self._begin_round(timeout_s=timeout_s, verify=verify, check=lambda: self._check_dst(dst))
+        ch = self.channel
+        src, dst = self.src, self.dst
+        rnd = ch.begin_round(verify=verify)
         stats, ledger = rnd.stats, rnd.ledger
-        stats.staging_capacity_bytes = sum(p.staging.numel() for p in [*self._sends.values(), *self._recvs.values()]
+        stats.staging_capacity_bytes = sum(p.staging.numel() for p in [*self.sends.values(), *self.recvs.values()]
                                            if p.staging is not None)
         stats.peak_staging_bytes = stats.staging_capacity_bytes
         cuda = self.device.type == "cuda"
@@ -671,9 +804,9 @@ class NixlTransport(OneSidedTransport):
             # receive buffers (staging, or destination tensors written in place)
             torch.cuda.current_stream(self.device).synchronize()
         # 1. receivers: tell every source the buffers are free
-        for peer in self._recvs:
+        for peer in self.recvs:
             try:
-                self._notify(peer, self._msg(b"R", rnd.seq, self._local_digest), "'ready'", rnd.seq)
+                ch.notify(peer, ch.message(b"R", rnd.seq, ch.local_digest), "'ready'")
             except _PeerFailed as e:
                 rnd.failed[peer] = e.why
         stats.local_bytes = local_copies(self.plan, src, dst)
@@ -684,15 +817,15 @@ class NixlTransport(OneSidedTransport):
         fl = _Flight(
             src, dst, corrupt, fusing, fused=ledger if fusing else None,
             # 2. sources: pack (chunk by chunk), post each chunk once its receiver is ready
-            to_pack=[(p, c) for p in self._sends.values() for c in p.chunks if p.peer not in rnd.failed],
+            to_pack=[(p, c) for p in self.sends.values() for c in p.chunks if p.peer not in rnd.failed],
             # 3. receivers: buckets still to land, by source (positions in the pair's buckets)
-            awaiting={p: set(range(len(pair.slots))) for p, pair in self._recvs.items()
+            awaiting={p: set(range(len(pair.slots))) for p, pair in self.recvs.items()
                       if pair.slots and p not in rnd.failed})
         side = self._sum_direct_sends(src, fl.fused) if fl.fused is not None else None
         try:
-            self._poll_round(rnd, pending=fl.pending, step=lambda: self._step(rnd, fl),
-                             probe=lambda: self._probe(rnd, fl),
-                             missing=lambda: self._missing(fl.ready, fl.queued, fl.posted, fl.awaiting, rnd.failed))
+            ch.poll_round(rnd, pending=fl.pending, step=lambda: self._step(rnd, fl),
+                          probe=lambda: self._probe(rnd, fl),
+                          missing=lambda: self._missing(fl.ready, fl.queued, fl.posted, fl.awaiting, rnd.failed))
             for key, buf in fl.unsummed:
                 ledger.sent(key, buf)
             if cuda:
@@ -701,11 +834,10 @@ class NixlTransport(OneSidedTransport):
                 torch.cuda.current_stream(self.device).synchronize()
         finally:
             if fl.temps:
-                for key in [k for k, (descs, _) in self._handles.items() if any(d[0] in fl.temps for d in descs)]:
-                    self._release_handles_key(key)
-                self._deregister(fl.temps)
-        self._raise_failed(rnd)
-        stats.zero_copy_buckets = sum(s.staging is None for p in [*self._sends.values(), *self._recvs.values()]
+                ch.release_handles_over(fl.temps)
+                ch.deregister(fl.temps)
+        ch.raise_failed(rnd)
+        stats.zero_copy_buckets = sum(s.staging is None for p in [*self.sends.values(), *self.recvs.values()]
                                       for s in p.slots)
         if ledger is not None:
             stats.checksums_sent, stats.checksums_received = ledger.settle()
@@ -715,15 +847,16 @@ class NixlTransport(OneSidedTransport):
     def _step(self, rnd: OneSidedRound, fl: _Flight) -> int:
         """One poll of a refit: 'ready's in, a chunk packed, packed chunks posted, WRITEs
         completed, buckets landed. Returns how many of these moved."""
-        progress = self._poll(rnd.seq)
-        for peer in self._sends:
+        ch = self.channel
+        progress = ch.poll(rnd.seq)
+        for peer in self.sends:
             if peer in fl.ready or peer in rnd.failed:
                 continue
-            for extra in self._take(b"R", rnd.seq, peer):
-                want = self._remotes[peer].entry.digest
+            for extra in ch.take(b"R", rnd.seq, peer):
+                want = ch.remote(peer).digest
                 if extra.decode() != want:
                     raise NixlHandshakeError(
-                        f"{self._where(rnd.seq)}: receiver rank {peer} registered new receive buffers (its 'ready' "
+                        f"{ch.where(rnd.seq)}: receiver rank {peer} registered new receive buffers (its 'ready' "
                         f"carries digest {extra.decode()}, the installed roster has {want}); relay its "
                         "local_roster_entry() with update_membership() before the next refit")
                 fl.ready.add(peer)
@@ -752,13 +885,13 @@ class NixlTransport(OneSidedTransport):
             if key not in fl.posted:
                 continue
             try:
-                state = self._state(fl.posted[key], key[0], rnd.seq)
+                state = self.channel.state(fl.posted[key], key[0])
             except _PeerFailed as e:
                 fl.fail(rnd, key[0], e.why)
                 continue
             if state == "DONE":
                 del fl.posted[key]
-                chunk = self._sends[key[0]].chunks[key[1]]
+                chunk = self.sends[key[0]].chunks[key[1]]
                 rnd.stats.bytes_sent += chunk.nbytes
                 rnd.stats.buckets_sent += chunk.hi - chunk.lo
                 done += 1
@@ -768,14 +901,14 @@ class NixlTransport(OneSidedTransport):
         """Unpack (or sum in place) what the sources said they wrote."""
         landed = 0
         for peer in list(fl.awaiting):
-            for extra in self._take(b"D", rnd.seq, peer):
+            for extra in self.channel.take(b"D", rnd.seq, peer):
                 lo, hi = (int(x) for x in extra.split(b"-"))
                 pending = fl.awaiting[peer]
                 if not set(range(lo, hi)) <= pending:
-                    raise NixlHandshakeError(f"{self._where(rnd.seq)}: source rank {peer} wrote buckets "
+                    raise NixlHandshakeError(f"{self.channel.where(rnd.seq)}: source rank {peer} wrote buckets "
                                              f"[{lo}, {hi}) of the pair, which this rank does not expect "
                                              "(again, or at all)")
-                self._unpack(self._recvs[peer], lo, hi, fl.dst, rnd.stats, rnd.ledger, fl.fused, fusing=fl.fusing)
+                self._unpack(self.recvs[peer], lo, hi, fl.dst, rnd.stats, rnd.ledger, fl.fused, fusing=fl.fusing)
                 pending.difference_update(range(lo, hi))
                 if not pending:
                     del fl.awaiting[peer]
@@ -788,42 +921,23 @@ class NixlTransport(OneSidedTransport):
         silent |= set(fl.awaiting)
         for peer in sorted(silent):
             try:
-                self._notify(peer, self._msg(b"P", rnd.seq), "a liveness probe", rnd.seq)
+                self.channel.notify(peer, self.channel.message(b"P", rnd.seq), "a liveness probe")
             except _PeerFailed as e:
                 fl.fail(rnd, peer, e.why)
 
     def _missing(self, ready, queued, posted, awaiting, failed) -> str:
-        parts = [self._failures(failed)] if failed else []
+        parts = [self.channel.failures(failed)] if failed else []
         no_ready = sorted({pair.peer for pair, _, _ in queued if pair.peer not in ready})
         if no_ready:
             parts.append("no 'ready' from receiver rank(s) " + ", ".join(
-                f"{p} ({self._remotes[p].entry.agent_name})" for p in no_ready))
+                f"{p} ({self.channel.peer_name(p)})" for p in no_ready))
         if posted:
             parts.append(f"WRITEs to rank(s) {sorted({k[0] for k in posted})} not complete")
         if awaiting:
             parts.append("no data from source rank(s) " + ", ".join(
-                f"{p} ({self._remotes[p].entry.agent_name}: {len(left)} of {len(self._recvs[p].slots)} buckets "
+                f"{p} ({self.channel.peer_name(p)}: {len(left)} of {len(self.recvs[p].slots)} buckets "
                 "missing)" for p, left in sorted(awaiting.items())))
         return "; ".join(parts) or "nothing outstanding"
-
-    def _peer_name(self, peer: int) -> str:
-        return self._remotes[peer].entry.agent_name
-
-    def _check_dst(self, dst: Mapping[str, torch.Tensor]) -> None:
-        moved = []
-        for pair in self._recvs.values():
-            for s in pair.slots:
-                if s.staging is not None:
-                    continue
-                name = s.bucket.ops[0].name
-                view = direct_view(s.bucket, dst, "dst") if name in dst else None
-                if view is None or view.data_ptr() != s.addr:
-                    moved.append(name)
-        if moved:
-            raise NixlHandshakeError(
-                f"rank {self.rank}: receive addresses changed without a new handshake: destination tensor(s) "
-                f"{sorted(set(moved))[:8]} are not where they were registered; prepare() with the new tensors, then "
-                "relay local_roster_entry() with update_membership()")
 
     def _fused_batch(self, key: tuple, slots: Sequence[_Slot], tensors, side: str) -> _FusedSlots | None:
         if key not in self._fused:
@@ -841,7 +955,7 @@ class NixlTransport(OneSidedTransport):
         """Launch the sums of every bucket sent from the tensor itself, on a side stream: the WRITEs
         read those tensors meanwhile, so the sums run beside the wire, never ahead of it. Returns
         the stream (None when nothing is summed there)."""
-        direct = [s for p in self._sends.values() for s in p.slots if s.staging is None]
+        direct = [s for p in self.sends.values() for s in p.slots if s.staging is None]
         batch = self._fused_batch(("direct",), direct, src, "src")
         if batch is None:
             return None
@@ -880,14 +994,14 @@ class NixlTransport(OneSidedTransport):
             else:
                 buf = direct_view(b, src, "src")
                 if buf is None:
-                    raise PlanError(f"rank {self.rank}: {b.ops[0].name} is no longer contiguous in "
+                    raise PlanError(f"rank {self.plan.rank}: {b.ops[0].name} is no longer contiguous in "
                                     f"{b.ops[0].wire_dtype}; prepare() again with the new tensors")
                 if ledger is not None:  # the WRITE reads the tensor itself: it does not wait for the sum
                     unsummed.append(((b.peer, b.index), buf))
             if corrupt is not None:
                 if s.staging is None:  # never corrupt the caller's tensor: write from a copy instead
                     buf = buf.clone()
-                    temps.append(self._register(buf))
+                    temps.append(self.channel.register(buf))
                     s.temp = buf
                 corrupt(b.peer, b.index, buf)
         if self.device.type == "cuda":
@@ -903,74 +1017,28 @@ class NixlTransport(OneSidedTransport):
             if not b.nbytes:
                 continue
             if s.staging is not None:
-                out.append((s.staging.data_ptr() + s.offset, b.nbytes, self._dev))
+                out.append((s.staging.data_ptr() + s.offset, b.nbytes, self.channel.dev))
                 continue
             tmp, s.temp = s.temp, None
             if tmp is not None:
-                out.append((tmp.data_ptr(), b.nbytes, self._dev))
+                out.append((tmp.data_ptr(), b.nbytes, self.channel.dev))
                 continue
             view = direct_view(b, src, "src")
-            ptr, _ = _storage_span(src[b.ops[0].name])
-            if ptr not in self._regs:  # the source tensor was replaced: register it (local only)
-                self._register(src[b.ops[0].name])
-            out.append((view.data_ptr(), b.nbytes, self._dev))
+            if not self.channel.registered(src[b.ops[0].name]):  # a replaced source tensor: register it (local only)
+                self.channel.register(src[b.ops[0].name])
+            out.append((view.data_ptr(), b.nbytes, self.channel.dev))
         return out
 
     def _post(self, pair: _Pair, chunk: _Chunk, src, seq: int) -> Any:
-        """WRITE one chunk to its receiver with its data notification; the handle is cached."""
-        peer = pair.peer
-        remote = self._remotes[peer].entry
-        msg = self._msg(b"D", seq, f"{chunk.lo}-{chunk.hi}")
+        """WRITE one chunk to its receiver with its data notification."""
+        ch, peer = self.channel, pair.peer
+        msg = ch.message(b"D", seq, f"{chunk.lo}-{chunk.hi}")
         if chunk.nbytes == 0:
-            self._notify(peer, msg, "a data notification", seq)
+            ch.notify(peer, msg, "a data notification")
             return None
-        local = self._local_descs(pair, chunk, src)
-        key = (peer, chunk.pos)
-        cached = self._handles.get(key)
-        if cached is None or cached[0] != tuple(local):
-            self._release_handles_key(key)
-            rdescs = [remote.recv_descs[(self.rank, s.bucket.index)] for s in pair.slots[chunk.lo: chunk.hi]
-                      if s.bucket.nbytes]
-            try:
-                h = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self._mem_type),
-                                               self.agent.get_xfer_descs(rdescs, remote.mem_type),
-                                               remote.agent_name, b"")
-            except Exception as e:
-                raise _PeerFailed(peer, f"could not set up the WRITE: {type(e).__name__}: {e}") from None
-            self._handles[key] = (tuple(local), h)
-        h = self._handles[key][1]
-        try:
-            state = self.agent.transfer(h, msg)
-        except Exception as e:  # e.g. the receiver disconnected
-            self._release_handles_key(key)
-            raise _PeerFailed(peer, f"WRITE failed: {type(e).__name__}: {e}") from None
-        if state == "ERR":
-            self._release_handles_key(key)
-            raise _PeerFailed(peer, "WRITE failed to post (state ERR)")
-        return h
-
-    def _release_handles_key(self, key) -> None:
-        got = self._handles.pop(key, None)
-        if got is not None:
-            try:
-                self.agent.release_xfer_handle(got[1])
-            except Exception:  # a handle of a dead peer may refuse release
-                pass
-
-    def _state(self, h, peer: int, seq: int) -> str:
-        if h is None:
-            return "DONE"
-        try:
-            state = self.agent.check_xfer_state(h)
-        except Exception as e:
-            state, why = "ERR", f"{type(e).__name__}: {e}"
-        else:
-            why = "transfer state ERR"
-        if state == "ERR":
-            for key in [k for k, v in self._handles.items() if v[1] is h]:
-                self._release_handles_key(key)
-            raise _PeerFailed(peer, f"WRITE failed: {why}")
-        return state
+        remote = ch.remote(peer).recv_descs
+        rdescs = [remote[(self.plan.rank, s.bucket.index)] for s in pair.slots[chunk.lo: chunk.hi] if s.bucket.nbytes]
+        return ch.write(peer, (peer, chunk.pos), self._local_descs(pair, chunk, src), rdescs, msg)
 
     def _unpack(self, pair: _Pair, lo: int, hi: int, dst, stats: TransferStats,
                 ledger: ChecksumLedger | None, fused: ChecksumLedger | None = None, *, fusing: bool = False) -> None:
@@ -999,42 +1067,3 @@ class NixlTransport(OneSidedTransport):
                 ledger.received((b.peer, b.index), direct_view(b, dst, "dst"))
             stats.bytes_received += b.nbytes
             stats.buckets_received += 1
-
-    # -- teardown ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Release handles, peers and registrations (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.agent is None:
-            return
-        self._release_handles()
-        for name in list(self._loaded):
-            self._drop_agent(name)
-        self._remotes = {}
-        self._deregister(list(self._regs))
-        self.agent = None
-
-    def __repr__(self) -> str:
-        return f"NixlTransport(rank={self.rank}, agent={self.agent_name!r}, epoch={self.epoch})"
-
-
-class NixlExecutor(Executor):
-    """One plan on a ``NixlTransport``: the transport (its agent and peers) outlives the plan.
-
-    ``prepare`` registers this rank's buffers for the plan; the peers learn of them when
-    the controller relays every rank's ``local_roster_entry()`` through
-    ``update_membership`` (or ``transport.handshake(group)``), before the first ``run``.
-    """
-
-    transport = "nixl"
-
-    def __init__(self, plan: RankPlan, nixl: NixlTransport):
-        super().__init__(plan, None)
-        self.nixl = nixl
-
-    def _bind(self, src: TensorMap, dst: TensorMap) -> None:
-        self.nixl.prepare(self.plan, src, dst)
-
-    def _run(self, *, verify: bool, corrupt: Corruption | None) -> TransferStats:
-        return self.nixl.run(self.src, self.dst, verify=verify, corrupt=corrupt)

@@ -8,6 +8,13 @@ interface (``set_deadline``, ``abort``) are the same for both, and live here, as
 the shape of one refit: the checks before it starts, and a loop that polls the peers
 without blocking on any one of them, so a dead or silent peer is named at the deadline,
 on an abort, or when a liveness probe finds it gone, while the other peers' work goes on.
+
+Each is two objects. A *channel* (``OneSidedChannel``) is what outlives a plan: the agent
+or control segment, the memory registered or exported, the peers loaded or mapped, the
+membership epoch, the deadline and the abort. An *executor* is one plan on it, behind the
+one contract every transport has (``refit.transport.base.Executor``): it binds its tensors
+to the channel (``bind``), and its refits run rounds of the channel
+(``begin_round``, ``poll_round``). A channel serves the executor bound last.
 """
 
 from __future__ import annotations
@@ -49,12 +56,12 @@ class OneSidedRound:
     failed: dict[int, str] = field(default_factory=dict)  # peer -> why; its work is dropped, the others' goes on
 
 
-class OneSidedTransport:
-    """Base of ``NixlTransport`` and ``IpcTransport``; see the module docstring.
+class OneSidedChannel:
+    """Base of ``NixlChannel`` and ``IpcChannel``; see the module docstring.
 
     Subclasses set ``transport`` and ``handshake_error``, keep ``rank``, ``epoch``,
-    ``plan`` and ``_local_digest`` current, and implement ``local_roster_entry`` and
-    ``update_membership`` (which starts with ``_check_roster``).
+    ``bound`` (the executor whose plan the channel serves) and ``_local_digest`` current, and
+    implement ``local_roster_entry`` and ``update_membership`` (which starts with ``_check_roster``).
     """
 
     transport: ClassVar[str] = ""
@@ -67,10 +74,9 @@ class OneSidedTransport:
     def __init__(self, rank: int):
         self.rank = int(rank)
         self.epoch = -1
-        self.plan = None
+        self.bound: Any = None  # the executor this channel serves
         self.seq = 0  # refits run under the installed membership
         self.runs = 0  # refits run in all
-        self.verify = True
         self.timeout_s: float | None = None
         self._local_digest = ""
         self._installed_digest: str | None = None
@@ -101,8 +107,9 @@ class OneSidedTransport:
         of this rank's plan must be in it.
         """
         self._check_open()
-        if self.plan is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before update_membership()")
+        if self.bound is None:
+            raise RefitError(f"rank {self.rank}: bind an executor (executor.prepare(src, dst)) before "
+                             "update_membership()")
         epoch = int(epoch)
         error = self.handshake_error
         if epoch <= self.epoch:
@@ -113,7 +120,7 @@ class OneSidedTransport:
             have = "none" if me is None else f"{self.entry_identity(me)} digest {me.digest}"
             raise error(f"rank {self.rank}: the roster of epoch {epoch} carries a stale entry for this rank ({have}; "
                         f"this rank is {self.identity} digest {self._local_digest}): relay the local_roster_entry() "
-                        "taken after the last prepare()")
+                        "taken after the last bind")
         missing = [p for p in peers if p not in roster]
         if missing:
             raise error(f"rank {self.rank}: the roster of epoch {epoch} lacks rank(s) {missing}, which this rank's "
@@ -126,7 +133,7 @@ class OneSidedTransport:
         ``exchange`` is anything with ``all_gather_object`` (a ``StatelessProcessGroup``, a
         torch group wrapper) or a callable ``entry -> list of entries``; it is used once
         here, never by ``run``. Every rank of the exchange calls this (a rank with nothing
-        to move passes its empty plan). Returns the roster.
+        to move binds an executor of its empty plan first). Returns the roster.
         """
         entry = self.local_roster_entry()
         gather = getattr(exchange, "all_gather_object", None)
@@ -136,15 +143,14 @@ class OneSidedTransport:
         return roster
 
     # -- one refit --------------------------------------------------------------------------------
-    def _begin_round(self, *, timeout_s: float | None, verify: bool | None,
-                     check: Callable[[], None] = lambda: None) -> OneSidedRound:
+    def begin_round(self, *, verify: bool, check: Callable[[], None] = lambda: None) -> OneSidedRound:
         """The checks every refit passes before any byte moves (then ``check``, the transport's
         own), then its number and deadline. A refit refused here takes no sequence number, so
         its peers still agree on the next one."""
         self._check_open()
         error = self.handshake_error
-        if self.plan is None:
-            raise RefitError(f"rank {self.rank}: prepare(plan, src, dst) before run()")
+        if self.bound is None:
+            raise RefitError(f"rank {self.rank}: bind an executor (executor.prepare(src, dst)) before a refit")
         if self._installed_digest is None or self.epoch < 0:
             raise error(f"rank {self.rank}: no handshake yet: relay local_roster_entry() through "
                         "update_membership() (or call handshake()) before run()")
@@ -155,18 +161,16 @@ class OneSidedTransport:
             raise RefitAborted(f"rank {self.rank}: this {self.label} transport was aborted; install a new "
                                "membership (update_membership) before the next refit")
         check()
-        verify = self.verify if verify is None else verify
         seq = self.seq
         self.seq += 1
         self.runs += 1
         started = time.monotonic()
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = None if limit is None else started + limit
+        deadline = None if self.timeout_s is None else started + self.timeout_s
         if self._deadline is not None:
             deadline = self._deadline if deadline is None else min(deadline, self._deadline)
         return OneSidedRound(seq, started, deadline, TransferStats(), ChecksumLedger() if verify else None)
 
-    def _poll_round(self, rnd: OneSidedRound, *, pending: Callable[[], bool], step: Callable[[], int],
+    def poll_round(self, rnd: OneSidedRound, *, pending: Callable[[], bool], step: Callable[[], int],
                     missing: Callable[[], str], probe: Callable[[], None],
                     nap: Callable[[int], None] | None = None) -> None:
         """Run ``step`` (returns how much it moved) until nothing is ``pending``.
@@ -184,33 +188,33 @@ class OneSidedTransport:
                 continue
             now = time.monotonic()
             if self._aborted.is_set():
-                raise RefitAborted(self._where(rnd.seq) + ": aborted; " + missing())
+                raise RefitAborted(self.where(rnd.seq) + ": aborted; " + missing())
             if rnd.deadline is not None and now >= rnd.deadline:
-                raise RefitAborted(self._where(rnd.seq) + f": its deadline passed ({rnd.deadline - rnd.started:.3g}s "
+                raise RefitAborted(self.where(rnd.seq) + f": its deadline passed ({rnd.deadline - rnd.started:.3g}s "
                                    "in); " + missing())
             if now - last_probe >= self.probe_interval_s:
                 last_probe = now
                 probe()
             idle += 1
-            (nap or self._nap)(idle)
+            (nap or self.nap)(idle)
 
-    def _nap(self, idle: int) -> None:
+    def nap(self, idle: int) -> None:
         """Sleep between two idle polls: a little longer each time, up to ``max_nap_s``."""
         time.sleep(min(self.max_nap_s, 2e-6 * (1 << min(idle, 10))))
 
-    def _raise_failed(self, rnd: OneSidedRound) -> None:
+    def raise_failed(self, rnd: OneSidedRound) -> None:
         """A round in which peers failed ends here, naming each, once the others' work is done."""
         if rnd.failed:
-            raise RefitAborted(self._where(rnd.seq) + ": " + self._failures(rnd.failed)
+            raise RefitAborted(self.where(rnd.seq) + ": " + self.failures(rnd.failed)
                                + ". The other peers' transfers completed.")
 
-    def _failures(self, failed: Mapping[int, str]) -> str:
-        return "; ".join(f"rank {p} ({self._peer_name(p)}) failed: {why}" for p, why in sorted(failed.items()))
+    def failures(self, failed: Mapping[int, str]) -> str:
+        return "; ".join(f"rank {p} ({self.peer_name(p)}) failed: {why}" for p, why in sorted(failed.items()))
 
-    def _peer_name(self, peer: int) -> str:
+    def peer_name(self, peer: int) -> str:
         raise NotImplementedError
 
-    def _where(self, seq: int) -> str:
+    def where(self, seq: int) -> str:
         return f"{self.label} refit (epoch {self.epoch}, seq {seq}) on rank {self.rank}"
 
     # -- deadline and abort (the watchdog's interface) ----------------------------------------
@@ -243,4 +247,4 @@ class OneSidedTransport:
         self.close()
 
 
-__all__ = ["OneSidedRound", "OneSidedTransport", "RosterEntries"]
+__all__ = ["OneSidedChannel", "OneSidedRound", "RosterEntries"]

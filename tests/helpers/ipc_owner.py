@@ -1,7 +1,7 @@
 """A process that owns refit IPC segments, for the tests of who removes them and when.
 
-``Owner(mode)`` runs this file as ``python ipc_owner.py MODE``. It opens an ``IpcTransport`` (its control segment) and
-prepares a host source's plan, which stages the weight it sends in a segment, prints one
+``Owner(mode)`` runs this file as ``python ipc_owner.py MODE``. It opens an ``IpcChannel`` (its control segment) and
+binds an executor of a host source's plan, which stages the weight it sends in a segment, prints one
 JSON line ``{"pid": ..., "segments": [names]}``, and waits for a line on stdin. Then, with
 both left open (held until the interpreter ends):
 
@@ -31,22 +31,23 @@ def main(mode: str) -> None:
 
     from refit import Replicate
     from refit.plan import RosterEntry, build_rank_plan, merge_rosters
-    from refit.transport.ipc import IpcTransport
+    from refit.transport.ipc import IpcChannel, IpcExecutor
 
     # rank 0 (this process) sends a 128 x 128 weight whole to rank 1: its plan stages it in a segment
     roster = {r: [RosterEntry.make("w", (128, 128), "float32", [r], [Replicate()], role)]
               for r, role in ((0, "src"), (1, "dst"))}
     plan = build_rank_plan(merge_rosters(roster, 2), 0)
-    transport = IpcTransport(0)
-    transport.prepare(plan, {"w": torch.full((128, 128), 7.0)}, {})
-    _HELD.append(transport)
-    entry = transport.local_roster_entry()
+    channel = IpcChannel(0)
+    executor = IpcExecutor(plan, channel)
+    executor.prepare({"w": torch.full((128, 128), 7.0)}, {})
+    _HELD.append((channel, executor))
+    entry = channel.local_roster_entry()
     names = [entry.control, *(r[1] for r in entry.regions.values() if r[0] == "shm")]
     assert len(names) == 2, entry
     print(json.dumps({"pid": os.getpid(), "segments": names}), flush=True)
     sys.stdin.readline()
     if mode == "raise":
-        raise RuntimeError("an uncaught exception, the transport left open")
+        raise RuntimeError("an uncaught exception, the channel left open")
     if mode == "fork":
         child = os.fork()
         if child == 0:

@@ -2,9 +2,10 @@
 
 Every rank derives the rosters of a case by itself (the case says who holds and needs
 what), so building the plan needs no communication; the only collective any NIXL test
-uses is the one-time handshake of ``NixlTransport.handshake(group)``, and the tests count
+uses is the one-time handshake of ``NixlChannel.handshake(group)``, and the tests count
 that. The state of a rank (its transport, tensors and the collective counter) lives in
-this module for the life of its process.
+this module for the life of its process (its channel as ``transport``, its plan's executor as
+``executor``).
 """
 
 from __future__ import annotations
@@ -162,14 +163,16 @@ def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0,
           transport="nixl", device="cpu"):
     """(Re)build this rank's plan for ``case`` over ``members`` and register its buffers.
 
-    ``transport``: ``"nixl"`` (a ``NixlTransport``) or ``"ipc"`` (an ``IpcTransport``);
+    ``transport``: ``"nixl"`` (a ``NixlChannel``) or ``"ipc"`` (an ``IpcChannel``), kept across
+    setups as an endpoint keeps it across builds, with a new executor for each plan;
     ``device="cuda"``: this rank's tensors on GPU ``rank % GPUs`` (ranks share GPUs).
 
     ``exchange="group"``: the one-time handshake through the fleet's process group (counted);
     ``"relay"``: return the roster entry for the controller (the test) to relay.
     """
-    from refit.transport.ipc import IpcTransport
-    from refit.transport.nixl import NixlTransport
+    from refit.transport.factory import make_executor
+    from refit.transport.ipc import IpcChannel
+    from refit.transport.nixl import NixlChannel
 
     rank = group.rank
     count_collectives()
@@ -182,16 +185,19 @@ def setup(group, case, epoch, *, members=None, exchange="relay", timeout_s=20.0,
     t = _S.get("transport")
     dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", rank % torch.cuda.device_count())
     if t is None and transport == "ipc":
-        t = _S["transport"] = IpcTransport(rank, device=dev, timeout_s=timeout_s, verify=True)
+        t = _S["transport"] = IpcChannel(rank, device=dev, timeout_s=timeout_s)
     if t is None:
-        t = _S["transport"] = NixlTransport(rank, device=dev, timeout_s=timeout_s, verify=True,
-                                            chunk_bytes=chunk_bytes or case.get("chunk_bytes", 1 << 20),
-                                            direct=direct)
+        t = _S["transport"] = NixlChannel(rank, device=dev, timeout_s=timeout_s,
+                                          chunk_bytes=chunk_bytes or case.get("chunk_bytes", 1 << 20), direct=direct)
     src, want = _slices(case, rank, 0, members)
     src = {n: v.to(dev) for n, v in src.items()}
     dst = {n: torch.full(w.shape, float("nan"), dtype=w.dtype, device=dev) for n, w in want.items()}
     _S.update(case=case, src=src, dst=dst, plan=plan, members=members, device=dev)
-    t.prepare(plan, src, dst)
+    old = _S.get("executor")
+    ex = _S["executor"] = make_executor(plan, transport=t.transport, **{t.transport: t})
+    ex.prepare(src, dst)
+    if old is not None:
+        old.close()
     info = {"rank": rank, "plan_key": plan.key, "agent": getattr(t, "agent_name", None) or t.name,
             "peers": plan.peers(),
             "sends": len(plan.sends), "recvs": len(plan.recvs)}
@@ -218,8 +224,8 @@ def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, fre
 
     ``fault="die"``: this rank's process exits at once, in the middle of the refit (its
     peers are already in it). ``replace_src``: give new source tensors (default: every
-    other step) instead of writing into the registered ones. ``verify``: the transport's own
-    setting (None), or this refit's.
+    other step) instead of writing into the registered ones. ``verify``: whether this refit
+    takes checksums (None: it does).
     """
     from refit.runtime.watchdog import RefitAborted, RefitAbortWatchdog
 
@@ -251,7 +257,7 @@ def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, fre
     t0 = time.monotonic()
     try:
         with RefitAbortWatchdog([t], timeout_s):
-            stats = t.run(src, dst, verify=verify)
+            stats = _S["executor"].run(src, dst, verify=True if verify is None else verify)
     except RefitAborted as e:
         return {"rank": rank, "error": "RefitAborted", "message": str(e), "elapsed": time.monotonic() - t0,
                 "collectives": collectives() - before,
@@ -265,6 +271,9 @@ def refit_step(group, step, *, timeout_s=60.0, fault=None, replace_src=None, fre
 
 
 def close(group):
+    ex = _S.pop("executor", None)
+    if ex is not None:
+        ex.close()
     t = _S.pop("transport", None)
     if t is not None:
         t.close()

@@ -221,7 +221,7 @@ def test_gpu_path_block_checksums_agree_end_to_end_and_catch_a_flip(src_dtype, d
 
     from refit.plan import build_rank_plan, merge_rosters
     from refit.transport.buckets import ChecksumLedger, pack_bucket, unpack_bucket
-    from refit.transport.ipc import IpcTransport
+    from refit.transport.ipc import IpcChannel, IpcExecutor
 
     S = Shard
     params = [("w", (12, 10), (np.array([0, 1]), [S(0)], src_dtype), [(np.array([2, 3]), [S(dim)], dst_dtype)]),
@@ -233,11 +233,14 @@ def test_gpu_path_block_checksums_agree_end_to_end_and_catch_a_flip(src_dtype, d
                if (v := local_slice(full[n].to(getattr(torch, dt)), m, pl, r)) is not None} for r in range(4)}
     dst = {r: {n: torch.zeros_like(v) for n, shape, _, dsts in params for m, pl, dt in dsts
                if (v := local_slice(full[n].to(getattr(torch, dt)), m, pl, r)) is not None} for r in range(4)}
-    with IpcTransport(0, device="cpu") as t:
+    with IpcChannel(0, device="cpu") as channel:
+        ex = IpcExecutor(plans[0], channel)
+        ex.device = torch.device("cpu")
+
         def sums(r, side):  # what rank r's end of the refit reports, as the GPU path takes it
             ledger = ChecksumLedger()
             for b in plans[r].sends if side == "src" else plans[r].recvs:
-                t._sum(ledger, b, (src if side == "src" else dst)[r], side)
+                ex._sum(ledger, b, (src if side == "src" else dst)[r], side)
             return ledger.settle()[0 if side == "src" else 1]
 
         for r in (0, 1):  # a correct transfer
@@ -269,18 +272,19 @@ def test_a_watchdog_deadline_alone_ends_a_wait_naming_the_silent_source():
 
     from refit.errors import RefitAborted
     from refit.plan import build_rank_plan, merge_rosters
-    from refit.transport.ipc import IpcTransport
+    from refit.transport.ipc import IpcChannel, IpcExecutor
 
     params = [("w", (8, 4), (np.array([0]), [Replicate()], "float32"), [(np.array([1]), [Replicate()], "float32")])]
     index = merge_rosters(rosters_for(params, 2), 2)
     plans = [build_rank_plan(index, r) for r in range(2)]
     tensors = [({"w": torch.ones(8, 4)}, {}), ({}, {"w": torch.zeros(8, 4)})]
-    with IpcTransport(0, timeout_s=None) as source, IpcTransport(1, timeout_s=None) as receiver:
-        for t, plan, (src, dst) in zip((source, receiver), plans, tensors):
-            t.prepare(plan, src, dst)
+    with IpcChannel(0, timeout_s=None) as source, IpcChannel(1, timeout_s=None) as receiver:
+        executors = [IpcExecutor(plan, ch) for ch, plan in zip((source, receiver), plans)]
+        for ex, (src, dst) in zip(executors, tensors):
+            ex.prepare(src, dst)
         roster = {0: source.local_roster_entry(), 1: receiver.local_roster_entry()}
-        for t in (source, receiver):
-            t.update_membership(roster, 1)
+        for ch in (source, receiver):
+            ch.update_membership(roster, 1)
         receiver.set_deadline(time.monotonic() + 0.3)
         with pytest.raises(RefitAborted, match=r"its deadline passed .*no data from source rank\(s\) 0"):
-            receiver.run()
+            executors[1].run()

@@ -22,7 +22,7 @@ from helpers.ipc_owner import Owner
 from refit import Replicate, Shard
 from refit.transport.ipc import (
     SHM_DIR,
-    IpcTransport,
+    IpcChannel,
     list_segments,
     pid_namespace,
     process_start_time,
@@ -143,7 +143,7 @@ def test_a_new_transport_removes_the_segments_of_a_sigkilled_owner():
     try:
         owner.kill()
         assert all(_exists(n) for n in owner.segments)
-        t = IpcTransport(0)
+        t = IpcChannel(0)
         try:
             assert not any(_exists(n) for n in owner.segments)
         finally:

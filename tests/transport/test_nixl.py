@@ -116,8 +116,6 @@ def test_handshake_errors_are_clear(procs):
     J.relay_membership(P, case, [0, 1], next(_epochs))
     J.refit_ranks(P, 0, [0, 1])
     res = P.ok(_moved_destination, ranks=[1])[1]
-    assert res[0] == "NixlHandshakeError" and "receive addresses changed" in res[1], res
-    res = P.ok(_reprepare_without_handshake, ranks=[1])[1]
     assert res[0] == "NixlHandshakeError" and "registered again" in res[1], res
     res = P.ok(_roster_without_peer, ranks=[0])[0]
     assert res[0] == "NixlHandshakeError" and "lacks rank(s) [1]" in res[1], res
@@ -167,29 +165,18 @@ def test_join_dead_receiver_dead_source(procs):
 
 
 def _moved_destination(group):
+    """A refit given destinations that moved: the executor rebinds to them, which changes this
+    rank's receive descriptors, so it refuses to run until a new handshake relays them."""
     import torch
 
-    t = J._S["transport"]
+    ex = J._S["executor"]
     dst = {n: torch.empty_like(v) for n, v in J._S["dst"].items()}
     try:
-        t.run(J._S["src"], dst, timeout_s=30)
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return None
-
-
-def _reprepare_without_handshake(group):
-    import torch
-
-    t = J._S["transport"]
-    dst = {n: torch.empty_like(v) for n, v in J._S["dst"].items()}
-    t.prepare(J._S["plan"], J._S["src"], dst)
-    try:
-        t.run(J._S["src"], dst, timeout_s=30)
+        ex.run(J._S["src"], dst, verify=True)
     except Exception as e:
         return type(e).__name__, str(e)
     finally:
-        t.prepare(J._S["plan"], J._S["src"], J._S["dst"])
+        ex.prepare(J._S["src"], J._S["dst"])
     return None
 
 

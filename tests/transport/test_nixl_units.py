@@ -34,6 +34,6 @@ def test_missing_nixl_says_how_to_install(monkeypatch):
     monkeypatch.setattr(nixl, "NIXL_MODULES", ("refit_no_such_nixl_module",))
     assert not nixl.nixl_available()
     with pytest.raises(nixl.NixlUnavailable, match=r"pip install 'refit\[nixl\]'"):
-        nixl.NixlTransport(0)
+        nixl.NixlChannel(0)
     with pytest.raises(ImportError):  # also an ImportError, for callers that probe optional deps
         nixl.load_nixl()
