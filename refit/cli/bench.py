@@ -1,27 +1,35 @@
-"""``refit bench``: a reshard of a realistic tensor mix, next to the golden broadcast and raw send/recv.
+"""``refit bench``: one harness over every benchmark refit runs, each a scenario of it.
 
-On CPU it starts a LocalFleet of processes over gloo: ``--src`` source ranks holding a
-Llama-shaped model (q/k/v/o, gate/up/down, norms, embeddings; a few hundred tensors from
-2 KB to 64 MB) sharded TP over dim 0 or 1 as Megatron does, and ``--dst-tp x --dst-dp``
-destination ranks holding it in another layout. In the same run it times:
+``SCENARIOS`` picks the run from ``--path`` (transport, sync, staged), ``--engine`` (vLLM)
+and ``--device`` / ``--transport``; a scenario names the flags it reads (any other flag given
+is refused by name before anything starts) and its defaults, and runs in its own module:
 
-* refit: the per-rank plan, executed (median of ``--repeat`` runs);
-* golden: ``xferdtensor_golden`` on the same tensors (one broadcast per source shard);
-* raw: one flat buffer per (source, destination) pair with exactly the plan's bytes,
-  all pairs at once: what the wire can do with no packing, planning or unpacking.
-
-Every destination element is checked against the expected slice after the runs.
-
-``--engine vllm`` times refits into real vLLM engines against full tensors to every worker
-(``refit.cli.bench_vllm``).
+* ``--path transport`` on CPU (here): a LocalFleet of processes over gloo, ``--src`` source
+  ranks holding a Llama-shaped model (q/k/v/o, gate/up/down, norms, embeddings; a few hundred
+  tensors from 2 KB to 64 MB) sharded TP over dim 0 or 1 as Megatron does, and ``--dst-tp x
+  --dst-dp`` destination ranks holding it in another layout. In the same run it times the
+  per-rank plan executed (median of ``--repeat`` runs); ``xferdtensor_golden`` on the same
+  tensors (one broadcast per source shard); and raw, one flat buffer per (source,
+  destination) pair with exactly the plan's bytes, all pairs at once: what the wire can do
+  with no packing, planning or unpacking. Every destination element is checked after the runs;
+* ``--device cuda`` (``bench_gpu``; ``--transport nixl``, ``--transport ipc``: ``bench_ipc``);
+* ``--path sync`` (``bench_sync``): ``sync_weights()`` against the raw transport of its plan;
+* ``--path staged`` (``bench_staged``; ``--device cuda``: ``bench_staged_gpu``; ``--engine
+  vllm``: ``bench_staged_vllm``): generation while refits land, staged against blocking;
+* ``--engine vllm`` (``bench_vllm``): refits into real vLLM engines against full tensors to
+  every worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import statistics
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from refit.cli.checks import (
     check_ranks,
@@ -119,9 +127,14 @@ SYNC_FLAGS = {"src", "dst_tp", "dst_dp", "layers", "hidden", "vocab", "dtype", "
 STAGED_DEFAULTS = {"src": 1, "dst_tp": 1, "dst_dp": 1, "layers": 4, "hidden": 256, "vocab": 8192}
 STAGED_FLAGS = {*STAGED_DEFAULTS, "refit_timeout", "refits", "interval", "staging_fraction", "batch", "prompt_tokens",
                 "new_tokens"}
+STAGED_GPU_FLAGS = {"refits", "interval", "batch", "gpu_source", "staging_fraction"}
+STAGED_VLLM_FLAGS = {"engine", "hidden", "layers", "dst_tp", "refits", "interval", "batch", "prompt_tokens",
+                     "new_tokens", "refit_timeout"}
+VLLM_FLAGS = {"engine", "hidden", "layers", "repeat", "refit_timeout"}
 NIXL_FLAGS = {"gpu_layers": "layers", "gpu_iters": "iters", "gpu_bucket_mib": "bucket_mib",
               "gpu_staging_mib": "staging_mib", "gpu_group_mib": "group_mib", "gpu_out": "out",
               "nixl_chunk_mib": "chunk_mib", "nixl_timeout_s": "timeout_s"}
+IPC_FLAGS = {"gpu_layers", "gpu_iters", "gpu_bucket_mib", "gpu_out", "ipc_placement", "ipc_no_nixl"}
 ALWAYS = {"path", "device", "transport", "json"}
 
 
@@ -352,74 +365,106 @@ def print_table(result: dict) -> None:
     Console().print(table)
 
 
-def run_cuda(args) -> int:
+def _run_module(name: str) -> Callable[[argparse.Namespace], int]:
+    """A bench module's ``run``, imported when its scenario is picked (vLLM's and the GPU's are heavy)."""
+    def run(args) -> int:
+        return importlib.import_module(f"refit.cli.{name}").run(args)
+    return run
+
+
+def _run_staged(args) -> int:
+    from refit.cli import bench_staged
+
+    if not 0.0 <= args.staging_fraction <= 1.0:
+        raise ConfigError(f"--staging-fraction must be within [0, 1], got {args.staging_fraction}")
+    check_ranks(args.src + args.dst_tp * args.dst_dp,
+                _layout_flags("--path staged", args.src, args.dst_tp, args.dst_dp))
+    bench_staged.check_layout(args)
+    return bench_staged.run(args)
+
+
+def _run_sync(args) -> int:
+    from refit.cli import bench_sync
+
+    src, tp, dp = (g if g is not None else d for g, d in zip((args.src, args.dst_tp, args.dst_dp),
+                                                              bench_sync.DEFAULT_LAYOUT))
+    check_ranks(src + tp * dp, _layout_flags(f"--path sync --fleet {args.fleet}", src, tp, dp))
+    return bench_sync.run(args)
+
+
+def _run_nixl(args) -> int:
     from refit.cli import bench_gpu
 
-    if args.transport == "ipc":
-        from refit.cli import bench_ipc
+    overrides = {NIXL_FLAGS[k]: getattr(args, k) for k in given_flags(args) & set(NIXL_FLAGS)}
+    return bench_gpu.run_nixl(overrides, staged=not args.nixl_no_staged, as_json=args.json)
 
-        refuse_unused(args, {"gpu_layers", "gpu_iters", "gpu_bucket_mib", "gpu_out", "ipc_placement", "ipc_no_nixl"},
-                      "--device cuda --transport ipc")
-        return bench_ipc.run(args)
-    if args.transport == "nixl":
-        refuse_unused(args, {*NIXL_FLAGS, "nixl_no_staged"}, "--device cuda --transport nixl")
-        overrides = {NIXL_FLAGS[k]: getattr(args, k) for k in given_flags(args) & set(NIXL_FLAGS)}
-        return bench_gpu.run_nixl(overrides, staged=not args.nixl_no_staged, as_json=args.json)
-    refuse_unused(args, {k for k in vars(args) if k.startswith("gpu_")}, "--device cuda")
+
+def _run_gpu(args) -> int:
+    from refit.cli import bench_gpu
+
     return bench_gpu.run_gpu(args)
+
+
+def _run_transport(args) -> int:
+    if args.transport != "nccl":
+        raise ConfigError(f"--transport {args.transport} needs --device cuda (the CPU bench runs over gloo)")
+    check_ranks(args.src + args.dst_tp * args.dst_dp,
+                _layout_flags("--device cpu", args.src, args.dst_tp, args.dst_dp))
+    result = run_cpu(args)
+    show(result, args.json, print_table)
+    ok = (result["correct"] and result.get("golden_correct", True)
+          and result["bytes_moved"] >= result["min_bytes_needed"])
+    return 0 if ok else 1
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One kind of ``refit bench`` run: the flags that pick it, the flags it reads, and what it runs.
+
+    A run is the first scenario whose ``picks`` holds. Before anything starts, a flag it was
+    given that the scenario does not read (``reads``, and every flag named ``reads_prefix...``)
+    is refused by name, rather than silently ignored, and ``defaults`` fill in the flags it
+    reads that were left out. ``name`` is how errors name the run (``{device}`` and the like
+    are the run's own flags).
+    """
+
+    name: str
+    picks: Callable[[argparse.Namespace], bool]
+    reads: frozenset[str]
+    run: Callable[[argparse.Namespace], int]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    reads_prefix: str | None = None
+
+    def start(self, args: argparse.Namespace) -> int:
+        prefixed = {k for k in vars(args) if self.reads_prefix and k.startswith(self.reads_prefix)}
+        refuse_unused(args, {*self.reads, *prefixed}, self.name.format(**vars(args)))
+        for k, v in self.defaults.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        return self.run(args)
+
+
+SCENARIOS = (
+    Scenario("--path staged --engine vllm", lambda a: a.engine == "vllm" and a.path == "staged",
+             frozenset(STAGED_VLLM_FLAGS), _run_module("bench_staged_vllm"),
+             {"hidden": 512, "layers": 4, "dst_tp": 1}),
+    Scenario("--engine vllm", lambda a: a.engine == "vllm", frozenset(VLLM_FLAGS), _run_module("bench_vllm"),
+             {"hidden": 512, "layers": 4}),
+    Scenario("--path staged --device cuda", lambda a: a.path == "staged" and a.device == "cuda",
+             frozenset(STAGED_GPU_FLAGS), _run_module("bench_staged_gpu")),
+    Scenario("--path staged", lambda a: a.path == "staged", frozenset(STAGED_FLAGS), _run_staged, STAGED_DEFAULTS),
+    Scenario("--path sync --device {device}", lambda a: a.path == "sync", frozenset(SYNC_FLAGS), _run_sync),
+    Scenario("--device cuda --transport ipc", lambda a: a.device == "cuda" and a.transport == "ipc",
+             frozenset(IPC_FLAGS), _run_module("bench_ipc")),
+    Scenario("--device cuda --transport nixl", lambda a: a.device == "cuda" and a.transport == "nixl",
+             frozenset({*NIXL_FLAGS, "nixl_no_staged"}), _run_nixl),
+    Scenario("--device cuda", lambda a: a.device == "cuda", frozenset(), _run_gpu, reads_prefix="gpu_"),
+    Scenario("--device cpu", lambda a: True, frozenset(CPU_FLAGS), _run_transport, TRANSPORT_DEFAULTS),
+)
 
 
 def run(args) -> int:
     if args.dst_dtype == "fp8" and (args.path != "sync" or args.engine is not None):
         raise ConfigError("--dst-dtype fp8 applies to --path sync (FP8 engines fed through sync_weights()); "
                           "nothing was run")
-    if args.engine == "vllm" and args.path == "staged":
-        from refit.cli import bench_staged_vllm
-
-        refuse_unused(args, bench_staged_vllm.FLAGS, "--path staged --engine vllm")
-        return bench_staged_vllm.run(args)
-    if args.engine == "vllm":
-        from refit.cli import bench_vllm
-
-        refuse_unused(args, bench_vllm.FLAGS, "--engine vllm")
-        return bench_vllm.run(args)
-    if args.path == "staged":
-        from refit.cli import bench_staged
-
-        if args.device == "cuda":
-            from refit.cli import bench_staged_gpu
-
-            refuse_unused(args, bench_staged_gpu.FLAGS, "--path staged --device cuda")
-            return bench_staged_gpu.run(args)
-        refuse_unused(args, STAGED_FLAGS, "--path staged")
-        if not 0.0 <= args.staging_fraction <= 1.0:
-            raise ConfigError(f"--staging-fraction must be within [0, 1], got {args.staging_fraction}")
-        for k, v in STAGED_DEFAULTS.items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
-        check_ranks(args.src + args.dst_tp * args.dst_dp,
-                    _layout_flags("--path staged", args.src, args.dst_tp, args.dst_dp))
-        bench_staged.check_layout(args)
-        return bench_staged.run(args)
-    if args.path == "sync":
-        from refit.cli import bench_sync
-
-        refuse_unused(args, SYNC_FLAGS, f"--path sync --device {args.device}")
-        src, tp, dp = (g if g is not None else d for g, d in zip((args.src, args.dst_tp, args.dst_dp),
-                                                                  bench_sync.DEFAULT_LAYOUT))
-        check_ranks(src + tp * dp, _layout_flags(f"--path sync --fleet {args.fleet}", src, tp, dp))
-        return bench_sync.run(args)
-    if args.device == "cuda":
-        return run_cuda(args)
-    if args.transport != "nccl":
-        raise ConfigError(f"--transport {args.transport} needs --device cuda (the CPU bench runs over gloo)")
-    refuse_unused(args, CPU_FLAGS, "--device cpu")
-    for k, v in TRANSPORT_DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    check_ranks(args.src + args.dst_tp * args.dst_dp, _layout_flags("--device cpu", args.src, args.dst_tp, args.dst_dp))
-    result = run_cpu(args)
-    show(result, args.json, print_table)
-    ok = (result["correct"] and result.get("golden_correct", True)
-          and result["bytes_moved"] >= result["min_bytes_needed"])
-    return 0 if ok else 1
+    return next(s for s in SCENARIOS if s.picks(args)).start(args)

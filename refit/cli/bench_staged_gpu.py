@@ -37,7 +37,6 @@ from refit.cli.bench_gpu import fused_engine
 from refit.cli.output import show
 from refit.runtime.weights_state import allocate_staging, copy_staged_into_live
 
-FLAGS = {"path", "device", "refits", "interval", "batch", "gpu_source", "staging_fraction"}
 GB = 1e9
 
 

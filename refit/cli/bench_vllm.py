@@ -30,8 +30,6 @@ PROMPT = [3, 17, 42, 5, 99, 8, 23, 61]
 HEAD_DIM = 64
 VOCAB = 1024
 TOLERANCE = 1e-4  # as refit.cli.demo_vllm: prompt logprobs of the engine against HF
-DEFAULTS = {"hidden": 512, "layers": 4}
-FLAGS = {"engine", "hidden", "layers", "repeat", "refit_timeout"}
 
 
 class _Recording:
@@ -178,16 +176,13 @@ def print_table(result: dict) -> None:
 
 
 def check_args(args) -> None:
-    """Refuse what cannot run, and fill in the defaults, before vLLM is imported."""
+    """Refuse what cannot run before vLLM is imported (the harness filled in the defaults)."""
     from refit.cli.demo_vllm import require_vllm
     from refit.errors import ConfigError
 
     if args.path != "transport" or args.device != "cpu" or args.transport != "nccl":
         raise ConfigError("--engine vllm: --path, --device and --transport do not apply (it runs vLLM engines on "
                           "this host's CPUs); nothing was run")
-    for k, v in DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
     if args.hidden % (2 * 2 * HEAD_DIM):
         raise ConfigError(f"--engine vllm: --hidden {args.hidden}: give a multiple of 256 (head_dim 64, and the "
                           "KV heads, hidden/128, split over TP2)")
