@@ -15,9 +15,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from helpers.model_checks import Topology, megatron_check_worker, refit_check_worker  # noqa: E402
+
 from refit.models.hf import hf_from_canonical  # noqa: E402
 from refit.models.parallel import TrainParallel  # noqa: E402
-from refit.testing.checks import Topology, megatron_check_worker, refit_check_worker  # noqa: E402
 from refit.testing.engine import EngineConfig, random_canonical_state  # noqa: E402
 from refit.testing.hf import build_model, greedy, tiny_llama_config, tiny_qwen3_moe_config  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Refit checks that drive real models on every rank of a ``refit.testing.launch.LocalFleet``.
+"""Refit checks that drive real models on every rank of a ``refit.testing.launch.LocalFleet`` (the end-to-end tests).
 
 ``refit_check_worker`` (an HF trainer) and ``megatron_check_worker`` (a Megatron-core layout)
 are top-level functions to run on every rank: the first ranks train (or hold Megatron shards),
