@@ -14,7 +14,7 @@ STEPS="${*:-tests bench sync demo}"
 rc=0
 step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 if step tests; then
-  timeout -s INT -k 10 300 "$PY" -m pytest -v -m gpu tests/gpu/test_ipc_gpu.py ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -x --durations=0 -o faulthandler_timeout=100 > "$OUT/pytest.log" 2>&1
+  timeout -s INT -k 10 420 "$PY" -m pytest -v -m gpu tests/gpu/test_ipc_gpu.py ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -x --durations=0 -o faulthandler_timeout=100 > "$OUT/pytest.log" 2>&1
   r=$?; rc=$(( rc || r )); grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|s call" "$OUT/pytest.log" | tail -30
 fi
 if step bench; then

@@ -19,9 +19,11 @@ rc=0
   echo "$check rc=$r: $(tail -1 "$OUT/$check.log")"
 done
 # the IPC executor's GPU tests (fused and eager checksums equal, exact refits, a dead engine named) and
-# NIXL's (unverified and verified refits exact)
-[ "${FUSED:-1 0}" = 0 ] || { timeout -s INT -k 10 240 "$PY" -m pytest -q -m gpu tests/gpu/test_ipc_gpu.py tests/gpu/test_nixl_gpu.py -p no:cacheprovider \
-  > "$OUT/pytest_ipc_gpu.log" 2>&1; r=$?; rc=$(( rc || r )); echo "pytest -m gpu tests/gpu/test_ipc_gpu.py tests/gpu/test_nixl_gpu.py rc=$r: $(tail -1 "$OUT/pytest_ipc_gpu.log")"; }
+# NIXL's (unverified and verified refits exact). The 53-refit memory-hygiene case of the IPC tests
+# (case1, about 100 s per allocator on one H100) does not fit this call beside the benches:
+# scripts/gpu_ipc.sh runs the whole file. A timeout reads rc=124 (or 130), never as a pass.
+[ "${FUSED:-1 0}" = 0 ] || { timeout -s INT -k 10 240 "$PY" -m pytest -q -m gpu tests/gpu/test_ipc_gpu.py tests/gpu/test_nixl_gpu.py -k "not case1" -p no:cacheprovider \
+  > "$OUT/pytest_ipc_gpu.log" 2>&1; r=$?; rc=$(( rc || r )); echo "pytest -m gpu tests/gpu/test_ipc_gpu.py tests/gpu/test_nixl_gpu.py -k 'not case1' rc=$r: $(tail -1 "$OUT/pytest_ipc_gpu.log")"; }
 [ "${FUSED:-1 0}" = 0 ] || { timeout 300 "$PY" scripts/kernel_bench.py > "$OUT/kernel_bench.log" 2>&1; rc=$(( rc || $? )); }
 bench() {  # name, REFIT_FUSED, then the bench's flags
   local name=$1 fused=$2; shift 2
