@@ -34,10 +34,10 @@ import time
 
 import torch
 
+from refit.cli.fleets import Fleet, FleetLayout
 from refit.cli.output import show
 from refit.comm.group import free_port
 from refit.control.synchronizer import ReshardWeightSynchronizer
-from refit.runtime.handles import ProcessWorker
 from refit.testing.engine import CanonicalTrainer, EngineConfig, EngineWorker
 
 CALL_S = 300.0
@@ -150,32 +150,27 @@ def run_staged_bench(args) -> dict:
     config = bench_config(args.layers, args.hidden, args.vocab)
     spec = EngineConfig.from_hf(config).spec
     t0 = time.perf_counter()
-    trainers = [ProcessWorker(CanonicalTrainer, r, args.src, config=config, name=f"trainer rank {r}",
-                              start_timeout_s=CALL_S) for r in range(args.src)]
-    engines = []
-    for s in range(args.dst_dp):
-        port = free_port() if args.dst_tp > 1 else None
-        engines.append([ProcessWorker(EngineWorker, s, w, args.dst_tp, config=config, tp_port=port,
-                                      name=f"shard {s} worker {w}", start_timeout_s=CALL_S)
-                        for w in range(args.dst_tp)])
+    layout = FleetLayout(args.src, args.dst_tp, args.dst_dp)
+    fleet = Fleet("process", layout, CanonicalTrainer, EngineWorker, trainer_kwargs={"config": config},
+                  engine_kwargs={"config": config},
+                  shard_kwargs=lambda s: {"tp_port": free_port() if args.dst_tp > 1 else None}, start_timeout_s=CALL_S)
     start_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, args.vocab, (args.prompt_tokens,), generator=g).tolist()
     modes, step = [], 0
     try:
         for name in ("blocking", "staged swap", "staged copy"):
-            result, step = run_mode(name, trainers, engines, args, prompt, step)
+            result, step = run_mode(name, fleet.trainers, fleet.engines, args, prompt, step)
             modes.append(result)
     finally:
-        for p in [*trainers, *(w for shard in engines for w in shard)]:
-            p.close()
+        fleet.close()
     blocking = modes[0]
     for m in modes:
         m["stall_over_blocking_pause"] = m["stall_s"] / blocking["stall_s"]
         m["gap_excess_over_blocking"] = m["gap_excess_median_s"] / blocking["gap_excess_median_s"]
     nbytes = spec.num_params * 4 * args.dst_dp
-    return {"path": "staged", "device": "cpu (gloo)", "layout": f"trainer TP{args.src} -> {args.dst_dp} engine "
-            f"shard(s) of TP{args.dst_tp}", "model": spec.name, "layers": args.layers, "hidden": args.hidden,
+    return {"path": "staged", "device": "cpu (gloo)", "layout": layout.describe(), "model": spec.name,
+            "layers": args.layers, "hidden": args.hidden,
             "vocab": args.vocab, "params": spec.num_params, "bytes_per_refit": nbytes, "batch": args.batch,
             "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "interval_s": args.interval,
             "refits": args.refits, "fleet_start_s": start_s, "modes": modes,

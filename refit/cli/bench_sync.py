@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from refit.cli.fleets import Fleet, FleetLayout
 from refit.cli.output import show
 from refit.errors import ConfigError, LayoutError
 from refit.layout import mesh_coords_of, region_shape, shard_region
@@ -42,7 +43,6 @@ from refit.plan.quant import BlockFp8
 from refit.plan.roster import SCALE_SUFFIX
 from refit.runtime.endpoint import TrainerEndpoint
 from refit.runtime.engine_endpoint import EngineEndpoint
-from refit.runtime.handles import ProcessWorker
 from refit.runtime.protocol import Transfer
 from refit.runtime.shards import LocalShard
 
@@ -215,97 +215,30 @@ class BenchEngine(EngineEndpoint):
 
 # -- layout and fleet ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class BenchLayout:
-    """Trainer ranks (TP), engine shards, and workers (TP) per shard."""
-
-    trainer_tp: int
-    engine_tp: int
-    engines: int
-
-    @property
-    def world_size(self) -> int:
-        return self.trainer_tp + self.engine_tp * self.engines
-
-    def describe(self) -> str:
-        return f"trainer TP{self.trainer_tp} -> {self.engines} engine shard(s) of TP{self.engine_tp}"
-
-
 class FlagError(ConfigError):
     """Flags that cannot run here; reported in one line, before anything starts."""
 
 
-def choose_layout(args, gpus: int) -> tuple[BenchLayout, str]:
+def choose_layout(args, gpus: int) -> tuple[FleetLayout, str]:
     """The layout of the flags; on GPUs (one per rank) the default shrinks to what torch sees.
 
     Returns the layout and, when it is not the default, a note that says why.
     """
     given = [args.src, args.dst_tp, args.dst_dp]
-    layout = BenchLayout(*(g if g is not None else d for g, d in zip(given, DEFAULT_LAYOUT)))
+    layout = FleetLayout(*(g if g is not None else d for g, d in zip(given, DEFAULT_LAYOUT)))
     note = ""
     if args.device == "cuda" and args.transport in ("nixl", "ipc"):  # one-sided: ranks may share GPUs
         if not gpus:
             raise FlagError("--device cuda: torch sees no GPU")
         return layout, f"{args.transport.upper()}: {layout.world_size} ranks on {gpus} GPU(s), rank r on GPU r % {gpus}"
     if args.device == "cuda" and all(g is None for g in given) and layout.world_size > gpus:
-        default, layout = layout, BenchLayout(1, 1, 1)
+        default, layout = layout, FleetLayout(1, 1, 1)
         note = (f"torch sees {gpus} GPU(s), one per rank over NCCL: {layout.describe()} instead of the default "
                 f"{default.describe()} ({default.world_size} GPUs); --src / --dst-tp / --dst-dp choose")
     if args.device == "cuda" and layout.world_size > gpus:
         raise FlagError(f"{layout.describe()} needs {layout.world_size} GPUs (one per rank over NCCL); "
                         f"torch sees {gpus}")
     return layout, note
-
-
-class Fleet:
-    """Trainer and engine workers of one run, local (threads of this process) or Ray actors."""
-
-    def __init__(self, kind: str, layout: BenchLayout, model: ModelSpec, dtypes: tuple[str, str], device: str):
-        self.kind = kind
-        self.ray_fleet = None
-        self.ray_started = False
-        self.processes: list[ProcessWorker] = []
-        if kind in ("local", "process"):
-            rank = iter(range(layout.world_size))  # communicator order; over NCCL one GPU per rank
-            gpus = max(torch.cuda.device_count(), 1) if device == "cuda" else 1
-
-            def make(cls, *args, **kwargs):
-                kwargs.update(device=f"cuda:{next(rank) % gpus}" if device == "cuda" else "cpu")
-                if kind == "local":
-                    return cls(*args, **kwargs)
-                # one intra-op thread per rank process, as for the Ray actors: ranks already share the cores
-                self.processes.append(ProcessWorker(cls, *args, name=f"{cls.__name__} {args}", threads=1, **kwargs))
-                return self.processes[-1]
-
-            self.trainers = [make(BenchTrainer, r, layout.trainer_tp, model=model, dtype=dtypes[0])
-                             for r in range(layout.trainer_tp)]
-            self.engines = [[make(BenchEngine, s, w, layout.engine_tp, model=model, dtype=dtypes[1])
-                             for w in range(layout.engine_tp)] for s in range(layout.engines)]
-            return
-        import ray
-
-        from refit.runtime.ray import RayFleet
-
-        if not ray.is_initialized():
-            ray.init(num_cpus=layout.world_size, include_dashboard=False, log_to_driver=False)
-            self.ray_started = True
-        self.ray_fleet = RayFleet(
-            BenchTrainer, BenchEngine, train_world_size=layout.trainer_tp, num_shards=layout.engines,
-            workers_per_shard=layout.engine_tp,
-            trainer_kwargs={"model": model, "dtype": dtypes[0], "device": device, "threads": 1},
-            engine_kwargs={"model": model, "dtype": dtypes[1], "device": device, "threads": 1},
-            actor_options={"num_gpus": 1} if device == "cuda" else None, start_timeout_s=600)
-        self.trainers, self.engines = self.ray_fleet.trainers, self.ray_fleet.engines
-
-    def close(self) -> None:
-        for p in self.processes:
-            p.close()
-        if self.ray_fleet is not None:
-            self.ray_fleet.shutdown()
-        if self.ray_started:
-            import ray
-
-            ray.shutdown()
 
 
 # -- the measurement -------------------------------------------------------------------------------
@@ -440,7 +373,9 @@ def run_sync_bench(args) -> dict:
     if args.bucket_mib is not None:
         kwargs["bucket_bytes"] = int(args.bucket_mib * MIB)
     t0 = time.perf_counter()
-    fleet = Fleet(args.fleet, layout, model, dtypes, args.device)
+    fleet = Fleet(args.fleet, layout, BenchTrainer, BenchEngine, trainer_kwargs={"model": model, "dtype": dtypes[0]},
+                  engine_kwargs={"model": model, "dtype": dtypes[1]}, device=args.device,
+                  start_timeout_s=600.0 if args.fleet == "ray" else 120.0)
     sync = None
     try:
         start_s = time.perf_counter() - t0
