@@ -42,6 +42,7 @@ positive_int = _bounded(int, lambda v: v >= 1, "a positive integer", "positive_i
 non_negative_int = _bounded(int, lambda v: v >= 0, "0 or more", "non_negative_int")
 positive_float = _bounded(float, lambda v: v > 0, "a positive number", "positive_float")
 non_negative_float = _bounded(float, lambda v: v >= 0, "0 or more", "non_negative_float")
+unit_fraction = _bounded(float, lambda v: 0 <= v <= 1, "within [0, 1]", "unit_fraction")
 
 
 # Ranks a command may start per core of this host (os.cpu_count()), each a process, a Ray actor

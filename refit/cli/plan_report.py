@@ -30,6 +30,7 @@ from refit.cli.checks import (
     positive_float,
     positive_int,
     positive_int_list,
+    unit_fraction,
     writable_file,
 )
 
@@ -75,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"inside a node); default all three up to {LARGE_WORLD} ranks, off above; '' for none "
                         "(with --scaling)")
     g.add_argument("--stripe-mb", type=positive_float, default=4.0, help="fan-out stripe size in MiB (4)")
+    g.add_argument("--delta", type=unit_fraction, default=None, metavar="FRACTION",
+                   help="also simulate a delta refit in which this share of every bucket's words changed (each "
+                        "bucket sent dense, as a bitmask or as indices, whichever is smallest), against the full one")
     g.add_argument("--repeats", type=positive_int, default=3, help="cold builds timed per sampled rank (3)")
     g.add_argument("--no-check", action="store_true", help="skip the cross-rank send/recv consistency check")
     g = p.add_argument_group("topology")
@@ -234,8 +238,9 @@ def source_ranks(index) -> set[int]:
     return {r for lay in layouts.values() for r in lay.mesh_ranks}
 
 
-def _plan_ranks(index, ranks, topo, check: bool, receivers, kw) -> tuple:
-    """Traffic, receivers' receipts and pair digests of the plans of ``ranks``."""
+def _plan_ranks(index, ranks, topo, check: bool, receivers, kw, wire) -> tuple:
+    """Traffic, receivers' receipts and pair digests of the plans of ``ranks`` (``wire``: a bucket's
+    bytes on the wire)."""
     from refit.cli.sim import Receipts, traffic_of
     from refit.plan import build_rank_plan
 
@@ -245,7 +250,7 @@ def _plan_ranks(index, ranks, topo, check: bool, receivers, kw) -> tuple:
     recvs: dict[tuple[int, int, int], tuple] = {}
     for r in ranks:
         plan = build_rank_plan(index, r, **kw)
-        traffic[r] = traffic_of(plan, topo)
+        traffic[r] = traffic_of(plan, topo, wire)
         if receivers:
             by_peer: dict[int, list] = {}
             for b in plan.sends:
@@ -258,7 +263,7 @@ def _plan_ranks(index, ranks, topo, check: bool, receivers, kw) -> tuple:
                 got = receipts.get(peer)
                 if got is None:
                     got = receipts[peer] = Receipts(peer, topo)
-                got.add(r, buckets, topo)
+                got.add(r, buckets, topo, wire)
         if check:
             for phase, (s, rv) in enumerate(((plan.sends, plan.recvs), (plan.gather_sends, plan.gather_recvs))):
                 for peer, d in _pair_digest(s).items():
@@ -269,22 +274,24 @@ def _plan_ranks(index, ranks, topo, check: bool, receivers, kw) -> tuple:
     return traffic, receipts, sends, recvs
 
 
-def plan_all(index, topo, check: bool, **kw) -> dict:
-    """Every rank's traffic, cross-rank consistency checked on the way.
+def plan_all(index, topo, check: bool, delta: float | None = None, **kw) -> dict:
+    """Every rank's traffic, cross-rank consistency checked on the way; with ``delta``, the bytes of
+    a delta refit in which that share of every bucket's words changed.
 
     Every rank's plan is built, except for a plain plan (no fan-out) on more than
     ``LARGE_WORLD`` ranks: there the ranks that only receive get their traffic from their
     senders' buckets (``refit.cli.sim.Receipts``), and a sample of them is built in full and
     checked against what their senders send them."""
-    from refit.cli.sim import Receipts
+    from refit.cli.sim import Receipts, delta_wire_bytes
 
+    wire = (lambda b: b.nbytes) if delta is None else delta_wire_bytes(delta)
     world = index.world_size
     senders = source_ranks(index)
     mirror = not kw.get("fanout") and world > LARGE_WORLD
     built = list(range(world)) if not mirror else sorted(senders)
     receivers = frozenset(r for r in range(world) if r not in senders) if mirror else frozenset()
     t0 = time.perf_counter()
-    parts = [_plan_ranks(index, built, topo, check, receivers, kw)]
+    parts = [_plan_ranks(index, built, topo, check, receivers, kw, wire)]
     traffic: dict[int, object] = {}
     receipts: dict[int, Receipts] = {r: Receipts(r, topo) for r in receivers}
     sends: dict[tuple[int, int, int], tuple] = {}
@@ -302,7 +309,7 @@ def plan_all(index, topo, check: bool, **kw) -> dict:
         if check:  # the receivers built in full: their receives must be what their senders send them
             step = max(1, len(receipts) // 16)
             sample = sorted(set(list(receipts)[::step]) | {max(receipts, default=0)}) if receipts else []
-            _, _, _, rv = _plan_ranks(index, sample, topo, True, frozenset(), kw)
+            _, _, _, rv = _plan_ranks(index, sample, topo, True, frozenset(), kw, wire)
             recvs.update(rv)
             sends = {k: v for k, v in sends.items() if k[2] in senders or k[2] in sample}
             checked += len(sample)
@@ -344,6 +351,14 @@ def run_variant(name: str, variant: dict, args, index, topo, train_world: int) -
     if need:
         receivers["layout_best"] = need
         receivers["ratio_to_layout_best"] = receivers["max"] / need
+    if args.delta is not None:
+        delta = plan_all(index, topo, False, delta=args.delta, **kw)["traffic"]
+        dsim = simulate(delta, topo)
+        full_bytes = sum(t.bytes_sent for t in traffic)
+        delta_bytes = sum(t.bytes_sent for t in delta)
+        delta_report = {"changed": args.delta, "bytes_sent_total": delta_bytes,
+                        "bytes_over_full": delta_bytes / full_bytes if full_bytes else None,
+                        "simulated": dsim.as_dict(), "over_full": dsim.seconds / sim.seconds if sim.seconds else None}
     out = {
         "variant": name,
         "fanout": bool(variant.get("fanout")),
@@ -364,6 +379,7 @@ def run_variant(name: str, variant: dict, args, index, topo, train_world: int) -
         "simulated": sim.as_dict(),
         "lower_bound": lb.as_dict(),
         "sim_over_bound": sim.seconds / lb.seconds if lb.seconds else None,
+        "delta": delta_report if args.delta is not None else None,
         "_sim": sim,
         "_traffic": traffic,
     }
@@ -577,6 +593,12 @@ def _print_text(report: dict) -> None:
         ph = "; ".join(f"{p['name']} {p['seconds'] * 1e3:.0f} ms (rank {p['bottleneck_rank']} {p['bottleneck_port']})"
                        for p in v["simulated"]["phases"])
         print(f"  {v['variant']}: {ph}; bound: {v['lower_bound']['binding']}")
+    for v in report["variants"]:
+        d = v.get("delta")
+        if d:
+            print(f"  {v['variant']}: delta refit, {d['changed']:.1%} of the words changed: "
+                  f"{d['simulated']['seconds'] * 1e3:.0f} ms simulated ({d['over_full']:.3f} of the full refit), "
+                  f"{d['bytes_sent_total'] / 1e12:.3f} TB sent ({d['bytes_over_full']:.3f} of the full bytes)")
     if "quantization" in report:
         print("  fp8: " + "; ".join(f"rank {q['rank']} quantizes {q['at_pack']} params at pack from its own blocks, "
                                      f"{q['merged_amax']} after merging amaxes ({q['merged_amax_bytes']} B)"
@@ -603,7 +625,8 @@ def check_args(args) -> None:
         if args.rank >= world:
             raise ConfigError(f"--rank {args.rank}: outside the {world} ranks (--train-gpus + --engine-gpus)")
         ignored = [flag for flag, given in (("--png", args.png), ("--scaling", args.scaling),
-                                            ("--per-rank", args.per_rank)) if given]
+                                            ("--per-rank", args.per_rank), ("--delta", args.delta is not None))
+                   if given]
         if ignored:
             raise ConfigError(f"{', '.join(ignored)} report every rank's plans; --rank {args.rank} plans one alone")
     if args.png and args.fanout is not None and not args.fanout:

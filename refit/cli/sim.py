@@ -52,8 +52,9 @@ it is the largest of what any plan must spend on one port, namely
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from refit.layout import region_numel, region_overlap_numel
 from refit.plan import ParamIndex, RankPlan, itemsize, wire_dtype
@@ -165,8 +166,29 @@ class RankTraffic:
         return max(self.ports[phase][p] / topo.bandwidth(p) for p in PORTS)
 
 
-def traffic_of(plan: RankPlan, topo: Topology) -> RankTraffic:
-    """Bytes per port and phase of one rank's plan on ``topo`` (one pass over its buckets)."""
+def delta_wire_bytes(changed: float) -> Callable[[Any], int]:
+    """A bucket's bytes on the wire in a delta refit where ``changed`` of its words differ from the
+    receiver's version: the smallest of dense, bitmask plus values, and indices plus values
+    (``refit.transport.delta``), its words the bucket's narrowest wire element."""
+    from refit.transport.delta import choose_format, encoded_bytes
+
+    def wire(b) -> int:
+        width = min(itemsize(op.wire_dtype) for op in b.ops) if b.ops else 1
+        width = width if width in (1, 2, 4) else 4
+        words = b.nbytes // width
+        k = round(changed * words)
+        return encoded_bytes(choose_format(words, width, k), words, width, k)
+
+    return wire
+
+
+def _full(b) -> int:
+    return b.nbytes
+
+
+def traffic_of(plan: RankPlan, topo: Topology, wire: Callable[[Any], int] = _full) -> RankTraffic:
+    """Bytes per port and phase of one rank's plan on ``topo`` (one pass over its buckets);
+    ``wire`` gives a bucket's bytes on the wire (``delta_wire_bytes``: a delta refit)."""
     t = RankTraffic(plan.rank)
     node = topo.node
     me = node(plan.rank)
@@ -177,7 +199,7 @@ def traffic_of(plan: RankPlan, topo: Topology) -> RankTraffic:
         direct = False
         for buckets, near, far in ((sends, "nvl_out", "nic_out"), (recvs, "nvl_in", "nic_in")):
             for b in buckets:
-                ports[near if node(b.peer) == me else far] += b.nbytes
+                ports[near if node(b.peer) == me else far] += wire(b)
                 if len(b.ops) == 1 and b.ops[0].direct:
                     direct = True
                 else:
@@ -204,9 +226,9 @@ class Receipts:
         self.direct = False
         self.peers: set[int] = set()
 
-    def add(self, sender: int, buckets, topo: Topology) -> None:
-        """``sender``'s buckets to this rank."""
-        nbytes = sum(b.nbytes for b in buckets)
+    def add(self, sender: int, buckets, topo: Topology, wire: Callable[[Any], int] = _full) -> None:
+        """``sender``'s buckets to this rank (``wire``: a bucket's bytes on the wire, as ``traffic_of``)."""
+        nbytes = sum(wire(b) for b in buckets)
         if topo.node(sender) == self.node:
             self.nvl_in += nbytes
         else:
@@ -456,4 +478,4 @@ def balance(values: Sequence[int]) -> dict:
 
 
 __all__ = ["CONNECTIONS", "NCCL", "NIXL", "Bound", "Connections", "Phase", "RankTraffic", "SimResult", "Topology",
-           "Receipts", "balance", "connection_costs", "lower_bound", "simulate", "traffic_of"]
+           "Receipts", "balance", "connection_costs", "delta_wire_bytes", "lower_bound", "simulate", "traffic_of"]

@@ -89,6 +89,8 @@ CASES = [
     (PLAN + ["--model", "{good}", "--per-rank"], "--per-rank"),
     (PLAN + ["--model", "{good}", "--engine-gpus", "1000000"], "--engine-gpus"),
     (PLAN + ["--model", "{good}", "--scaling", "100000"], "--scaling 100000"),
+    (PLAN + ["--model", "{good}", "--delta", "1.5"], "--delta: must be within [0, 1]"),
+    (PLAN + ["--model", "{good}", "--rank", "1", "--delta", "0.03"], "--delta"),
     # refit demo: refused before Ray is imported or started
     (["demo", "--steps", "0"], "--steps"),
     (["demo", "--trainer-dp", "0"], "--trainer-dp"),

@@ -164,6 +164,17 @@ def test_cli_json_report(capsys):
     assert plain["peers"]["generation"]["max"] <= fan["peers"]["generation"]["max"]
 
 
+def test_a_delta_refit_sends_the_encoded_share_of_the_bytes(capsys):
+    """At 3% of bf16 words changed, every bucket goes as indices plus values: 0.09 of its bytes."""
+    assert main(SMALL + ["--json", "--delta", "0.03"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plain = next(v for v in report["variants"] if v["variant"] == "no fan-out")
+    d = plain["delta"]
+    assert d["changed"] == 0.03 and d["bytes_over_full"] == pytest.approx(0.09, rel=0.02)
+    assert d["bytes_sent_total"] < plain["bytes_sent_total"]
+    assert d["simulated"]["seconds"] < plain["simulated"]["seconds"] and d["over_full"] < 0.5
+
+
 def test_receivers_traffic_from_their_senders_equals_their_own_plans(monkeypatch):
     """Above LARGE_WORLD a plain plan's receivers are not planned: their traffic comes from
     their senders' buckets, and equals what their own plans give."""
